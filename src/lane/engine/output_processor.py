@@ -1,0 +1,136 @@
+"""Frontend-side output processing: detokenise, match stop strings, assemble
+RequestOutputs, fan n > 1 samples back into one result (vLLM's OutputProcessor)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lane.core.scheduler import EngineCoreOutput
+from lane.engine.detokenizer import IncrementalDetokenizer
+from lane.outputs import CompletionOutput, Logprob, RequestOutput
+from lane.sampling_params import SamplingParams
+
+
+@dataclass
+class ChildState:
+    index: int
+    params: SamplingParams
+    detok: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    delta_start: int = 0  # token index where the current streaming delta begins
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: dict[str, ChildState]
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.children.values())
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, RequestState] = {}  # by parent id
+        self.child_to_parent: dict[str, str] = {}
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams) -> list[tuple[str, SamplingParams]]:
+        """Register a request; returns the (child id, params) pairs to send to the engine."""
+        children: dict[str, ChildState] = {}
+        pairs = []
+        for i in range(params.n):
+            cid = request_id if params.n == 1 else f"{i}_{request_id}"
+            cp = params.for_child(i) if params.n > 1 else params
+            detok = IncrementalDetokenizer(self.tokenizer, cp.stop, cp.skip_special_tokens,
+                                           cp.include_stop_str_in_output)
+            children[cid] = ChildState(i, cp, detok, logprobs=[] if cp.logprobs is not None else None,
+                                       cumulative_logprob=0.0 if cp.logprobs is not None else None)
+            self.child_to_parent[cid] = request_id
+            pairs.append((cid, cp))
+        self.states[request_id] = RequestState(request_id, prompt, prompt_token_ids, children)
+        return pairs
+
+    def process_outputs(self, outputs: list[EngineCoreOutput], stream: bool = False
+                        ) -> tuple[list[RequestOutput], list[str]]:
+        """Returns (request outputs to hand out, child ids the engine must stop:
+        their stop string was found here)."""
+        touched: dict[str, RequestState] = {}
+        to_abort: list[str] = []
+        for o in outputs:
+            pid = self.child_to_parent.get(o.request_id)
+            if pid is None:
+                continue
+            state = self.states[pid]
+            child = state.children[o.request_id]
+            if child.finish_reason is not None:
+                continue
+            state.num_cached_tokens = o.num_cached_tokens
+            child.token_ids.extend(o.new_token_ids)
+            if o.new_logprobs and child.logprobs is not None:
+                for tid, lp in zip(o.new_token_ids, o.new_logprobs):
+                    child.logprobs.append(self._to_logprobs(tid, lp))
+                    child.cumulative_logprob += lp[0]
+            stop_str = child.detok.update(o.new_token_ids)
+            if stop_str is not None:
+                child.finish_reason, child.stop_reason = "stop", stop_str
+                if o.finish_reason is None:
+                    to_abort.append(o.request_id)
+            elif o.finish_reason is not None:
+                child.finish_reason, child.stop_reason = o.finish_reason, o.stop_reason
+            touched[pid] = state
+        results = []
+        for pid, state in touched.items():
+            if stream or state.finished:
+                results.append(self._make_output(state, stream))
+            if state.finished:
+                self._remove(pid)
+        return results, to_abort
+
+    def _to_logprobs(self, tid: int, lp: tuple) -> dict[int, Logprob]:
+        sampled_lp, rank, top = lp
+        entry = {tid: Logprob(sampled_lp, rank, self.tokenizer.decode([tid]))}
+        for r, (t, v) in enumerate(top, start=1):
+            if t not in entry:
+                entry[t] = Logprob(v, r, self.tokenizer.decode([t]))
+        return entry
+
+    def _make_output(self, state: RequestState, delta: bool) -> RequestOutput:
+        outs = []
+        for c in sorted(state.children.values(), key=lambda c: c.index):
+            finished = c.finish_reason is not None
+            if delta:
+                text = c.detok.get_delta(finished)
+                ids = c.token_ids[c.delta_start:]
+                lps = c.logprobs[c.delta_start:] if c.logprobs is not None else None
+                c.delta_start = len(c.token_ids)
+            else:
+                text, ids, lps = c.detok.output_text, list(c.token_ids), c.logprobs
+            outs.append(CompletionOutput(c.index, text, ids, c.cumulative_logprob, lps,
+                                         c.finish_reason, c.stop_reason))
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outs,
+                             state.finished, state.num_cached_tokens)
+
+    def abort(self, request_id: str) -> list[str]:
+        """Forget a request; returns its child ids (to abort in the engine)."""
+        state = self.states.get(request_id)
+        if state is None:
+            return []
+        self._remove(request_id)
+        return list(state.children)
+
+    def _remove(self, pid: str) -> None:
+        state = self.states.pop(pid)
+        for cid in state.children:
+            self.child_to_parent.pop(cid, None)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.states)

@@ -1,0 +1,121 @@
+"""The sampler (seed step 34): penalties, temperature, top-k / top-p / min-p,
+per-request seeded generators, and logprobs with top-N alternatives.
+
+Logprobs are those of the raw model distribution (vLLM's default
+``raw_logprobs``), taken before penalties and temperature.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+_EPS = 1e-5
+
+
+@dataclass
+class SamplingMetadata:
+    temperature: torch.Tensor  # [N]; 0 = greedy
+    all_greedy: bool
+    top_k: torch.Tensor | None = None  # [N] int, 0 = off
+    top_p: torch.Tensor | None = None  # [N], 1 = off
+    min_p: torch.Tensor | None = None  # [N], 0 = off
+    generators: dict[int, torch.Generator] = field(default_factory=dict)  # row -> seeded generator
+    # penalties: None when no row uses them
+    presence_penalty: torch.Tensor | None = None
+    frequency_penalty: torch.Tensor | None = None
+    repetition_penalty: torch.Tensor | None = None
+    prompt_token_ids: list[list[int]] | None = None
+    output_token_ids: list[list[int]] | None = None
+    num_logprobs: list[int | None] = field(default_factory=list)  # per row; None = not asked
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    # per row: None, or (sampled logprob, sampled rank, [(token id, logprob)] top-N)
+    logprobs: list[tuple | None]
+
+
+def _counts(rows: list[list[int]], vocab: int) -> torch.Tensor:
+    out = torch.zeros(len(rows), vocab)
+    for i, ids in enumerate(rows):
+        if ids:
+            idx = torch.tensor(ids, dtype=torch.long)
+            out[i].index_add_(0, idx, torch.ones(len(ids)))
+    return out
+
+
+def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    V = logits.shape[-1]
+    out_counts = _counts(md.output_token_ids, V)
+    seen = out_counts > 0
+    if md.repetition_penalty is not None:
+        seen_any = seen | (_counts(md.prompt_token_ids, V) > 0)
+        rp = md.repetition_penalty[:, None].expand_as(logits)
+        penalised = torch.where(logits > 0, logits / rp, logits * rp)
+        logits = torch.where(seen_any, penalised, logits)
+    if md.frequency_penalty is not None:
+        logits = logits - md.frequency_penalty[:, None] * out_counts
+    if md.presence_penalty is not None:
+        logits = logits - md.presence_penalty[:, None] * seen.float()
+    return logits
+
+
+def apply_top_k_top_p_min_p(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    if md.top_k is not None:
+        k = md.top_k.clamp(min=0)
+        max_k = int(k.max())
+        if max_k > 0:
+            top = logits.topk(min(max_k, logits.shape[-1]), dim=-1).values
+            kth = top.gather(1, (k.clamp(min=1, max=top.shape[1]) - 1)[:, None])
+            kth = torch.where(k[:, None] > 0, kth, torch.full_like(kth, float("-inf")))
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+    if md.top_p is not None:
+        sorted_logits, idx = logits.sort(dim=-1, descending=False)
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cum <= (1 - md.top_p[:, None])
+        drop[:, -1] = False  # always keep the most likely token
+        logits = logits.scatter(1, idx, sorted_logits.masked_fill(drop, float("-inf")))
+    if md.min_p is not None:
+        probs = logits.softmax(dim=-1)
+        floor = md.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < floor, float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+    logits = logits.float()
+    want_logprobs = any(n is not None for n in md.num_logprobs)
+    raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
+    if md.repetition_penalty is not None or md.frequency_penalty is not None \
+            or md.presence_penalty is not None:
+        logits = apply_penalties(logits, md)
+    greedy = logits.argmax(dim=-1)
+    if md.all_greedy:
+        tokens = greedy
+    else:
+        temp = md.temperature.clamp(min=_EPS)[:, None]
+        probs = apply_top_k_top_p_min_p(logits / temp, md).softmax(dim=-1)
+        # exponential race: argmax(p / E) with E ~ Exp(1) samples from p, and lets
+        # each seeded request draw from its own generator
+        q = torch.empty_like(probs).exponential_()
+        for row, gen in md.generators.items():
+            q[row].exponential_(generator=gen)
+        tokens = torch.where(md.temperature < _EPS, greedy, (probs / q).argmax(dim=-1))
+    token_list = tokens.tolist()
+    logprobs: list[tuple | None] = [None] * len(token_list)
+    if raw_logprobs is not None:
+        for row, n in enumerate(md.num_logprobs):
+            if n is None:
+                continue
+            lp = raw_logprobs[row]
+            tok = token_list[row]
+            tok_lp = lp[tok]
+            rank = int((lp > tok_lp).sum()) + 1
+            top = []
+            if n > 0:
+                vals, ids = lp.topk(n)
+                top = list(zip(ids.tolist(), vals.tolist()))
+            logprobs[row] = (float(tok_lp), rank, top)
+    return SamplerOutput(token_list, logprobs)

@@ -1,0 +1,70 @@
+"""Model loading (seed step 4): resolve the class in the registry, build it, fill its weights."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+
+import torch
+import torch.nn as nn
+from tqdm import tqdm
+
+from lane.config import ModelConfig
+from lane.registry import ModelRegistry
+
+logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def _skip_random_init():
+    """Every parameter is overwritten by the checkpoint: skip torch's random init
+    (it costs seconds on a CPU for a 135M model)."""
+    saved = [(cls, cls.reset_parameters) for cls in (nn.Linear, nn.Embedding)]
+    for cls, _ in saved:
+        cls.reset_parameters = lambda self: None
+    try:
+        yield
+    finally:
+        for cls, fn in saved:
+            cls.reset_parameters = fn
+
+
+def get_model(model_config: ModelConfig, load_threads: int = 4, progress: bool = True) -> nn.Module:
+    model_cls, arch = ModelRegistry.resolve_model_cls(model_config.hf_config.architectures)
+    t0 = time.perf_counter()
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(model_config.dtype)
+    try:
+        with _skip_random_init():
+            model = model_cls(model_config.hf_config, max_position=model_config.max_model_len)
+    finally:
+        torch.set_default_dtype(prev)
+    loaded: set[str] = set()
+
+    def consume(name: str, tensor: torch.Tensor) -> None:
+        loaded.update(model.load_weights([(name, tensor)]))
+
+    desc = f"Loading {model_config.short_name}"
+    if model_config.gguf_file:
+        from lane.model_executor.loader.gguf_loader import iter_gguf_weights
+
+        reader = model_config.gguf_reader
+        for name, tensor in tqdm(iter_gguf_weights(reader, model_config.hf_config),
+                                 total=len(reader.tensors), desc=desc, disable=not progress,
+                                 unit="tensor"):
+            consume(name, tensor)
+    else:
+        from lane.model_executor.loader.safetensors_loader import (count_tensors, load_safetensors,
+                                                                   safetensors_files)
+
+        files = safetensors_files(model_config.model_dir)
+        with tqdm(total=count_tensors(files), desc=desc, disable=not progress, unit="tensor") as bar:
+            load_safetensors(files, consume, load_threads, on_tensor=bar.update)
+    missing = [n for n, _ in model.named_parameters() if n not in loaded
+               and not (n == "lm_head.weight" and getattr(model_config.hf_config, "tie_word_embeddings", False))]
+    if missing:
+        raise ValueError(f"checkpoint misses {len(missing)} tensors of {arch}, e.g. {missing[:3]}")
+    model.eval()
+    logger.info("Loaded %s as %s (%s) in %.2f s", model_config.model, arch, model_cls.__name__,
+                time.perf_counter() - t0)
+    return model

@@ -1,0 +1,10 @@
+"""The built-in model table: architecture name -> "module:Class" (lazy)."""
+
+_PKG = "lane.model_executor.models"
+
+BUILTIN_MODELS: dict[str, str] = {
+    "LlamaForCausalLM": f"{_PKG}.llama:LlamaForCausalLM",
+    "MistralForCausalLM": f"{_PKG}.mistral:MistralForCausalLM",
+    "Qwen2ForCausalLM": f"{_PKG}.qwen2:Qwen2ForCausalLM",
+    "Qwen3ForCausalLM": f"{_PKG}.qwen3:Qwen3ForCausalLM",
+}

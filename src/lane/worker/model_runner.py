@@ -1,0 +1,122 @@
+"""ModelRunner: one flattened batch per step (seed steps 20, 32, 34).
+
+Decodes (query length 1) come first, then prefill chunks. Only rows that end a
+request's pending tokens go through the LM head and the sampler.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from lane.core.scheduler import SamplerResult, SchedulerOutput, ScheduledRequest
+from lane.model_executor.layers.attention import AttentionMetadata, PrefillSpan, set_attention_metadata
+from lane.model_executor.layers.sampler import SamplingMetadata, sample
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, block_size: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.dtype = dtype
+        self.device = device
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    # -- step 8: the cache tensors -------------------------------------------
+    def kv_cache_bytes_per_block(self) -> int:
+        layers = self.model.attention_layers()
+        per_token = sum(2 * a.num_kv_heads * a.head_dim for a in layers)
+        return per_token * self.block_size * torch.tensor([], dtype=self.dtype).element_size()
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.kv_caches = []
+        for attn in self.model.attention_layers():
+            shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
+            # zeroed: padded and not-yet-written slots are read (then masked), and
+            # must hold finite values
+            attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.kv_caches.append((attn.k_cache, attn.v_cache))
+
+    # -- step 20: inputs ---------------------------------------------------------
+    def _prepare(self, sched: SchedulerOutput):
+        bs = self.block_size
+        order = sorted(sched.scheduled, key=lambda s: s.num_tokens != 1)  # decodes first, stable
+        decodes = [s for s in order if s.num_tokens == 1]
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        for s in decodes:
+            r = s.request
+            p = r.num_computed_tokens
+            input_ids.append(r.all_token_ids[p])
+            positions.append(p)
+            slots.append(s.block_ids[p // bs] * bs + p % bs)
+        prefills: list[PrefillSpan] = []
+        offset = len(decodes)
+        for s in order[len(decodes):]:
+            r = s.request
+            start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_tokens
+            input_ids.extend(r.all_token_ids[start:end])
+            pos = range(start, end)
+            positions.extend(pos)
+            slots.extend(s.block_ids[p // bs] * bs + p % bs for p in pos)
+            n_blocks = -(-end // bs)
+            prefills.append(PrefillSpan(offset, offset + s.num_tokens, start,
+                                        torch.tensor(s.block_ids[:n_blocks], dtype=torch.long)))
+            offset += s.num_tokens
+        md = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long),
+                               num_decodes=len(decodes), prefills=prefills)
+        if decodes:
+            max_blocks = max(-(-(s.request.num_computed_tokens + 1) // bs) for s in decodes)
+            table = [s.block_ids[:max_blocks] + [0] * (max_blocks - min(len(s.block_ids), max_blocks))
+                     for s in decodes]
+            md.decode_block_tables = torch.tensor(table, dtype=torch.long)
+            md.decode_context_lens = torch.tensor(
+                [s.request.num_computed_tokens + 1 for s in decodes], dtype=torch.int32)
+        # rows whose token is the request's last pending one: these get logits
+        sample_rows: list[int] = []
+        sampling: list[ScheduledRequest] = []
+        row = 0
+        for s in order:
+            row += s.num_tokens
+            if s.samples:
+                sample_rows.append(row - 1)
+                sampling.append(s)
+        return (torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
+                md, sample_rows, sampling)
+
+    def _sampling_metadata(self, sampling: list[ScheduledRequest]) -> SamplingMetadata:
+        params = [s.request.sampling_params for s in sampling]
+        temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+        md = SamplingMetadata(temperature=temps, all_greedy=all(p.greedy for p in params),
+                              num_logprobs=[p.logprobs for p in params])
+        if not md.all_greedy:
+            if any(p.top_k > 0 for p in params):
+                md.top_k = torch.tensor([p.top_k for p in params], dtype=torch.long)
+            if any(p.top_p < 1.0 for p in params):
+                md.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+            if any(p.min_p > 0.0 for p in params):
+                md.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
+            md.generators = {i: s.request.generator for i, s in enumerate(sampling)
+                             if s.request.generator is not None}
+        if any(p.uses_penalties for p in params):
+            md.presence_penalty = torch.tensor([p.presence_penalty for p in params])
+            md.frequency_penalty = torch.tensor([p.frequency_penalty for p in params])
+            md.repetition_penalty = torch.tensor([p.repetition_penalty for p in params])
+            md.prompt_token_ids = [s.request.prompt_token_ids for s in sampling]
+            md.output_token_ids = [s.request.output_token_ids for s in sampling]
+        return md
+
+    # -- one step ------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> dict[str, SamplerResult]:
+        input_ids, positions, md, sample_rows, sampling = self._prepare(sched)
+        with set_attention_metadata(md):
+            hidden = self.model(input_ids, positions)
+        if not sample_rows:
+            return {}
+        logits = self.model.compute_logits(hidden[sample_rows])  # step 32
+        out = sample(logits, self._sampling_metadata(sampling))  # step 34
+        return {s.request.request_id: SamplerResult(tok, lp)
+                for s, tok, lp in zip(sampling, out.token_ids, out.logprobs)}

@@ -1,0 +1,70 @@
+"""Worker: one per rank (the engine-core process itself at TP=1).
+
+Start-up (seed steps 1, 4, 6, 8): threads and dtype, model load, KV pool
+sizing from the memory budget, warm-up.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from lane import platform
+from lane.config import EngineConfig
+from lane.core.scheduler import SamplerResult, SchedulerOutput
+from lane.model_executor.loader import get_model
+from lane.model_executor.layers.attention import AttentionMetadata, PrefillSpan, set_attention_metadata
+from lane.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class Worker:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        mc = config.model_config
+        self.threads = platform.set_threads(config.threads)  # step 1
+        torch.manual_seed(mc.seed)
+        self.model = get_model(mc, config.load_threads, config.show_progress)  # step 4
+        self.runner = ModelRunner(self.model, config.cache_config.block_size, mc.dtype, mc.device_type)
+
+    def determine_num_blocks(self) -> int:
+        """Step 8: blocks that fit the KV budget (one of them the null block)."""
+        cc = self.config.cache_config
+        per_block = self.runner.kv_cache_bytes_per_block()
+        budget = cc.budget_bytes()
+        num_blocks = budget // per_block
+        max_len = self.config.model_config.max_model_len
+        need = -(-max_len // cc.block_size) + 1
+        if num_blocks < need:
+            raise ValueError(
+                f"KV cache budget {budget / 2**20:.1f} MiB holds {num_blocks} blocks of "
+                f"{cc.block_size} tokens ({per_block} B each), but one request of max_model_len "
+                f"{max_len} needs {need}; raise --kv-cache-memory-bytes to at least "
+                f"{need * per_block} or lower --max-model-len")
+        return int(num_blocks)
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self.runner.allocate_kv_cache(num_blocks)
+
+    @torch.inference_mode()
+    def warmup(self) -> float:
+        """Step 6: one prefill-shaped forward so oneDNN / MKL pick their kernels now."""
+        t0 = time.perf_counter()
+        bs = self.config.cache_config.block_size
+        n = min(64, self.config.scheduler_config.max_num_batched_tokens, bs * 2)
+        ids = torch.zeros(n, dtype=torch.long)
+        pos = torch.arange(n)
+        # write into blocks 1.. (not yet handed out), then re-zero them
+        md = AttentionMetadata(slot_mapping=pos + bs,
+                               prefills=[PrefillSpan(0, n, 0, torch.arange(1, 1 + -(-n // bs)))])
+        with set_attention_metadata(md):
+            self.model.compute_logits(self.model(ids, pos)[-1:])
+        for k, v in self.runner.kv_caches:
+            k[1:1 + -(-n // bs)].zero_()
+            v[1:1 + -(-n // bs)].zero_()
+        return time.perf_counter() - t0
+
+    def execute_model(self, sched: SchedulerOutput) -> dict[str, SamplerResult]:
+        return self.runner.execute_model(sched)
