@@ -52,3 +52,37 @@ def hf_greedy(model, ids: list[int], n: int) -> list[int]:
         out = model(torch.tensor([[tok]]), past_key_values=past, use_cache=True)
         past = out.past_key_values
     return new
+
+
+@pytest.fixture(scope="session")
+def smollm_tokenizer(smollm_gguf):
+    from lane.config import ModelConfig
+
+    return ModelConfig(smollm_gguf).get_tokenizer()
+
+
+TINY_COMMON = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                   bos_token_id=1, eos_token_id=2, initializer_range=0.2)
+
+
+def make_tiny_checkpoint(arch: str, out_dir, tokenizer, **overrides) -> str:
+    """A small random HF checkpoint of ``arch`` with SmolLM2's tokenizer."""
+    import transformers as tf
+
+    cfg_cls, model_cls = {
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+        "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+    }[arch]
+    torch.manual_seed(0)
+    cfg = cfg_cls(**{**TINY_COMMON, **overrides})
+    model = model_cls(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:  # HF zeroes / ones these: make them count
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return str(out_dir)

@@ -1,0 +1,106 @@
+"""The ``lane`` command: ``lane generate`` (more subcommands arrive with their issues)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import sys
+
+
+def parse_bytes(text: str) -> int:
+    """'4G', '512MiB', '1e9' or a plain integer -> bytes."""
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]?)(i?B)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 4G, 512M, 1073741824)")
+    scale = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[m.group(2).upper()]
+    return int(float(m.group(1)) * scale)
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine flags, spelled as vLLM spells them."""
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="auto: bfloat16 on CPUs with AVX512-BF16/AMX, else float32")
+    g.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all CPUs)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
+    g.add_argument("--max-num-seqs", type=int, default=128, help="running requests at most")
+    g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    g.add_argument("--kv-cache-memory-bytes", type=parse_bytes, default=None,
+                   help="KV cache budget (default: a quarter of free RAM, at most 4 GiB)")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(dtype=args.dtype, threads=args.threads, block_size=args.block_size,
+                enable_prefix_caching=args.enable_prefix_caching,
+                max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                max_model_len=args.max_model_len, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                seed=args.seed)
+
+
+def cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from lane import LLM, SamplingParams
+
+    try:
+        params = SamplingParams(
+            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+            max_tokens=args.max_tokens, seed=args.sample_seed, stop=args.stop or None,
+            ignore_eos=args.ignore_eos, repetition_penalty=args.repetition_penalty)
+    except ValueError as e:
+        flag = str(e).split()[0].replace("_", "-")
+        parser.error(f"--{flag}: {e}")
+    try:
+        llm = LLM(args.model, show_progress=not args.quiet, **engine_kwargs(args))
+    except (ValueError, FileNotFoundError, TypeError) as e:
+        parser.error(str(e))
+    core = llm.engine
+    mc = llm.config.model_config
+    if not args.quiet:
+        print(f"[lane] model {mc.short_name} ({mc.architectures[0]}), dtype "
+              f"{str(mc.dtype).removeprefix('torch.')}, {core.worker.threads} threads, KV cache "
+              f"{core.config.cache_config.num_blocks - 1} blocks x {core.config.cache_config.block_size} "
+              f"tokens ({core.kv_cache_bytes / 2**20:.0f} MiB), max_model_len {mc.max_model_len}",
+              file=sys.stderr)
+    try:
+        prompt = ({"prompt_token_ids": llm.apply_chat_template([{"role": "user", "content": args.prompt}])}
+                  if args.chat else args.prompt)
+        if not args.chat:
+            print(args.prompt, end="", flush=True)
+        for delta in llm.stream(prompt, params):
+            print(delta, end="", flush=True)
+        print()
+    except ValueError as e:
+        parser.error(str(e))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="lane", description="lane: an LLM serving engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text for one prompt, streamed to the terminal")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--repetition-penalty", type=float, default=1.0)
+    gen.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--quiet", action="store_true", help="no progress bars or start-up line")
+    add_engine_args(gen)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.command == "generate":
+        return cmd_generate(args, gen)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""Tiny random Llama / Qwen2 / Qwen3 / Mistral checkpoints: lane's logits against HF's."""
+import pytest
+import torch
+
+from lane import LLM, SamplingParams
+from conftest import make_tiny_checkpoint
+
+CASES = {
+    "llama": dict(),
+    "llama-tied-llama3-rope": dict(tie_word_embeddings=True, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    "qwen2": dict(),
+    "qwen3": dict(head_dim=32),
+    "mistral": dict(sliding_window=None),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_tiny_model_logits_match_hf(case, tmp_path, smollm_tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    arch = case.split("-")[0]
+    d = make_tiny_checkpoint(arch, tmp_path / case, smollm_tokenizer, **CASES[case])
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    llm = LLM(d, dtype="float32", kv_cache_memory_bytes=32 << 20, show_progress=False)
+    assert type(llm.engine.worker.model).__name__ == hf.config.architectures[0]
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (5, 17, 40)]
+    n_new = 8
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=n_new, logprobs=5, ignore_eos=True),
+                        use_tqdm=False)
+    for ids, out in zip(prompts, outs):
+        gen = out.outputs[0].token_ids
+        assert len(gen) == n_new
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids + gen])).logits[0].float().log_softmax(-1)
+        for t, tok in enumerate(gen):
+            row = ref[len(ids) - 1 + t]
+            assert tok == int(row.argmax()), (case, t)
+            lane_lp = out.outputs[0].logprobs[t]
+            ref_top = row.topk(5)
+            for tid, val in zip(ref_top.indices.tolist(), ref_top.values.tolist()):
+                assert tid in lane_lp
+                assert lane_lp[tid].logprob == pytest.approx(val, abs=2e-4), (case, t, tid)
