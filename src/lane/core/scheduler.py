@@ -84,17 +84,6 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def abort(self, request_id: str) -> Request | None:
-        req = self.requests.get(request_id)
-        if req is None or req.status.finished:
-            return None
-        if req in self.running:
-            self.running.remove(req)
-        else:
-            self.waiting.remove(req)
-        self._finish(req, RequestStatus.FINISHED_ABORTED)
-        return req
-
     # -- step 15: one scheduling round ----------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()

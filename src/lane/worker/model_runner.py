@@ -31,7 +31,7 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = []
         for attn in self.model.attention_layers():
-            shape = (num_blocks, self.block_size, attn.num_kv_heads, attn.head_dim)
+            shape = (num_blocks, attn.num_kv_heads, self.block_size, attn.head_dim)
             # zeroed: padded and not-yet-written slots are read (then masked), and
             # must hold finite values
             attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)

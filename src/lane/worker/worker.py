@@ -13,6 +13,7 @@ import torch
 from lane import platform
 from lane.config import EngineConfig
 from lane.core.scheduler import SamplerResult, SchedulerOutput
+from lane.model_executor.layers import cpu_kernels
 from lane.model_executor.loader import get_model
 from lane.model_executor.layers.attention import AttentionMetadata, PrefillSpan, set_attention_metadata
 from lane.worker.model_runner import ModelRunner
@@ -25,6 +26,8 @@ class Worker:
         self.config = config
         mc = config.model_config
         self.threads = platform.set_threads(config.threads)  # step 1
+        if mc.device_type.type == "cpu":
+            cpu_kernels.build()
         torch.manual_seed(mc.seed)
         self.model = get_model(mc, config.load_threads, config.show_progress)  # step 4
         self.runner = ModelRunner(self.model, config.cache_config.block_size, mc.dtype, mc.device_type)

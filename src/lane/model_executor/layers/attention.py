@@ -1,7 +1,8 @@
 """Paged attention on the KV cache (seed steps 24 and 27).
 
-The cache of one layer is ``[num_blocks, block_size, num_kv_heads, head_dim]``
-for K and for V. Each step's batch is flattened: query-length-1 requests
+The cache of one layer is ``[num_blocks, num_kv_heads, block_size, head_dim]``
+for K and for V: head-major inside a block, so one head's tokens of a block are
+one contiguous run (what the decode kernel streams, and what SDPA wants). Each step's batch is flattened: query-length-1 requests
 (decodes) come first and are attended in one batched call; prefill chunks
 follow, one call each. Block 0 is a zeroed null block that pads block tables.
 """
@@ -27,7 +28,7 @@ class PrefillSpan:
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] flat cache slot of each token
+    slot_mapping: torch.Tensor  # [T] flat cache slot of each token (block * block_size + offset)
     num_decodes: int = 0  # leading rows that are query-length-1 requests
     decode_block_tables: torch.Tensor | None = None  # [B, max_blocks], null-padded
     decode_context_lens: torch.Tensor | None = None  # [B] int32
@@ -53,21 +54,27 @@ def get_attention_metadata() -> AttentionMetadata:
     return _metadata
 
 
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """[..., n] block ids -> [..., kv_heads, n * block_size, head_dim] (a copy)."""
+    nb, kvh, bs, d = cache.shape
+    lead = block_ids.shape[:-1]
+    g = cache.index_select(0, block_ids.reshape(-1)).view(*lead, block_ids.shape[-1], kvh, bs, d)
+    return g.transpose(-4, -3).reshape(*lead, kvh, -1, d)
+
+
 def decode_attention_torch(q, k_cache, v_cache, block_tables, context_lens, scale):
     """Reference path: gather each request's blocks, pad, one batched softmax."""
     B, H, D = q.shape
-    nb, bs, kvh, _ = k_cache.shape
-    max_blocks = block_tables.shape[1]
-    L = max_blocks * bs
-    flat = block_tables.reshape(-1)
-    k = k_cache.view(nb, -1).index_select(0, flat).view(B, L, kvh, D)
-    v = v_cache.view(nb, -1).index_select(0, flat).view(B, L, kvh, D)
+    kvh = k_cache.shape[1]
+    k = gather_blocks(k_cache, block_tables)  # [B, kvh, L, D]
+    v = gather_blocks(v_cache, block_tables)
+    L = k.shape[2]
     g = H // kvh
-    s = torch.matmul(q.view(B, kvh, g, D), k.permute(0, 2, 3, 1)).float() * scale  # [B,kvh,g,L]
+    s = torch.matmul(q.view(B, kvh, g, D), k.transpose(-1, -2)).float() * scale  # [B,kvh,g,L]
     pad = torch.arange(L) >= context_lens.to(torch.long)[:, None]
     s.masked_fill_(pad[:, None, None, :], float("-inf"))
     p = torch.softmax(s, dim=-1).to(q.dtype)
-    return torch.matmul(p, v.transpose(1, 2)).reshape(B, H, D)
+    return torch.matmul(p, v).reshape(B, H, D)
 
 
 class Attention(nn.Module):
@@ -87,8 +94,10 @@ class Attention(nn.Module):
         md = get_attention_metadata()
         kc, vc = self.k_cache, self.v_cache
         if kc.numel():  # step 24: K/V into their slots
-            kc.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, md.slot_mapping, k)
-            vc.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, md.slot_mapping, v)
+            bs = kc.shape[2]
+            blk, off = md.slot_mapping // bs, md.slot_mapping % bs
+            kc[blk, :, off] = k
+            vc[blk, :, off] = v
         out = torch.empty_like(q)
         nd = md.num_decodes
         if nd:
@@ -102,18 +111,18 @@ class Attention(nn.Module):
 
     def _prefill(self, q, k, v, span: PrefillSpan, kc, vc) -> torch.Tensor:
         n = q.shape[0]
-        if span.num_computed == 0:  # no context in the cache: plain causal attention
-            o = F.scaled_dot_product_attention(
-                q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                is_causal=True, scale=self.scale, enable_gqa=True)
-            return o.transpose(0, 1)
-        total = span.num_computed + n
-        bs = kc.shape[1]
-        ks = kc.index_select(0, span.block_ids).view(-1, self.num_kv_heads, self.head_dim)[:total]
-        vs = vc.index_select(0, span.block_ids).view(-1, self.num_kv_heads, self.head_dim)[:total]
-        qpos = torch.arange(span.num_computed, total)
-        mask = torch.arange(total)[None, :] <= qpos[:, None]
-        o = F.scaled_dot_product_attention(
-            q.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1),
-            attn_mask=mask, scale=self.scale, enable_gqa=True)
-        return o.transpose(0, 1)
+        mask, causal = None, True
+        if span.num_computed:  # earlier tokens come from the cache
+            total = span.num_computed + n
+            k = gather_blocks(kc, span.block_ids)[:, :total]  # [kvh, total, D]
+            v = gather_blocks(vc, span.block_ids)[:, :total]
+            mask = torch.arange(total)[None, :] <= torch.arange(span.num_computed, total)[:, None]
+            causal = False
+        else:
+            k, v = k.transpose(0, 1), v.transpose(0, 1)
+        g = self.num_heads // self.num_kv_heads
+        if g > 1:  # expanded heads + 4-D inputs take torch's flash kernel on CPU (GQA does not)
+            k, v = k.repeat_interleave(g, dim=0), v.repeat_interleave(g, dim=0)
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None],
+                                           attn_mask=mask, is_causal=causal, scale=self.scale)
+        return o[0].transpose(0, 1)

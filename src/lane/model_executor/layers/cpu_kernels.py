@@ -1,9 +1,49 @@
-"""Optional compiled CPU kernels. Until built, everything runs on the torch paths."""
+"""Compiled CPU kernels, built once per machine on first use (torch's C++
+extension loader, cached under ~/.cache/torch_extensions).
+
+Paged decode attention in torch must gather every request's blocks into a
+padded copy first; on a CPU that copy costs more than the attention itself.
+The kernel reads K/V in place. Likewise torch's GEMM for one to a few rows
+(decode) reads weights at a fraction of memory bandwidth; ``small_m_linear``
+streams each weight row once. If the build fails (no C++ compiler), the torch
+paths run instead, with a warning. ``LANE_CPU_KERNELS=0`` turns them off.
+"""
 from __future__ import annotations
+
+import logging
+import os
+import time
 
 import torch
 
+logger = logging.getLogger(__name__)
+
 _ext = None
+_tried = False
+_SOURCES = [os.path.join(os.path.dirname(__file__), "csrc", f)
+            for f in ("bindings.cpp", "paged_attention.cpp", "gemv.cpp")]
+
+
+def build() -> bool:
+    """Build (or load the cached build of) the kernels; True when usable."""
+    global _ext, _tried
+    if _tried:
+        return _ext is not None
+    _tried = True
+    if os.environ.get("LANE_CPU_KERNELS", "1") == "0":
+        return False
+    try:
+        from torch.utils.cpp_extension import load
+
+        t0 = time.perf_counter()
+        _ext = load(name="lane_cpu_kernels", sources=_SOURCES,
+                    extra_cflags=["-O3", "-march=native", "-ffast-math", "-mprefer-vector-width=512", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"], verbose=False)
+        logger.info("CPU kernels ready in %.1f s", time.perf_counter() - t0)
+    except Exception as e:  # no compiler, no ninja, ...: the torch paths still work
+        logger.warning("CPU kernels unavailable, using torch attention (%s)", str(e).splitlines()[0])
+        _ext = None
+    return _ext is not None
 
 
 def usable(x: torch.Tensor) -> bool:
@@ -12,3 +52,7 @@ def usable(x: torch.Tensor) -> bool:
 
 def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
     return _ext.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def small_m_linear(x, weight, bias):
+    return _ext.small_m_linear(x, weight, bias)

@@ -14,14 +14,15 @@ import torch.nn as nn
 from lane.model_executor.layers.activation import silu_and_mul
 from lane.model_executor.layers.attention import Attention
 from lane.model_executor.layers.layernorm import RMSNorm
+from lane.model_executor.layers.linear import Linear
 from lane.model_executor.layers.rotary_embedding import RotaryEmbedding
 
 
 class LlamaMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, bias: bool) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -40,15 +41,15 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         qkv_bias = getattr(config, "attention_bias", False) or self.qkv_bias_default
         o_bias = getattr(config, "attention_bias", False)
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=o_bias)
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.rotary = rotary
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, cos_sin, x: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(T, self.num_heads, self.head_dim)
@@ -56,7 +57,7 @@ class LlamaAttention(nn.Module):
         v = v.view(T, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = self.rotary(cos_sin, q, k)
         return self.o_proj(self.attn(q, k, v))
 
 
@@ -71,13 +72,13 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, x, residual):
+    def forward(self, cos_sin, x, residual):
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x)
+        x = self.self_attn(cos_sin, x)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -90,14 +91,16 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         rotary = RotaryEmbedding(config, head_dim, max_position)
+        self.rotary = rotary
         self.layers = nn.ModuleList(self.layer_cls(config, rotary) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        cos_sin = self.rotary.cos_sin(positions, x.dtype)
         residual = None
         for layer in self.layers:
-            x, residual = layer(positions, x, residual)
+            x, residual = layer(cos_sin, x, residual)
         x, _ = self.norm(x, residual)
         return x
 
@@ -112,7 +115,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = self.model_cls(config, max_position or config.max_position_embeddings)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -1,0 +1,143 @@
+"""Offline throughput: lane against HF transformers `generate`, same workload, one run.
+
+Workload: N requests with random prompts of 128-512 tokens, 128 output tokens each,
+ignore_eos, greedy, bfloat16, on the embedded SmolLM2-135M. HF runs at batch sizes
+8/16/32/64 (prompts sorted by length, left-padded per batch); the ratio is lane's
+output tokens/s over HF's best. Also: lane's batch-1 decode and 1,024-token prefill
+speed, printed beside the peers' figures measured on this machine kind (PERF.md).
+
+    python benchmarks/offline_throughput.py [--num-prompts 64] [--hf-batch-sizes 8,16,32,64]
+
+The last line is a JSON object of the headline figures.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import torch
+
+# peers on this machine kind (shared/design/PERF.md, 2026-11-29, bf16)
+PEERS = {"llama.cpp bf16 batch-1 decode tok/s": "140-151", "HF bf16 batch-1 decode tok/s": "44.8",
+         "llama.cpp bf16 prefill tok/s": "1,400-1,700", "HF bf16 prefill tok/s": "2,000-2,250"}
+
+
+def check_quiet() -> None:
+    load1 = os.getloadavg()[0]
+    if load1 > 0.5:
+        print(f"warning: load average {load1:.2f}: another process is busy; figures will be "
+              f"noisy (ratios measured in this run still compare like with like)", file=sys.stderr)
+
+
+def make_workload(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def run_lane(prompts, out_len: int, dtype: str, threads: int | None) -> dict:
+    from lane import LLM, SamplingParams
+
+    llm = LLM(dtype=dtype, threads=threads, max_model_len=2048, enable_prefix_caching=False,
+              kv_cache_memory_bytes=2 << 30)
+    sp = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], SamplingParams(max_tokens=4),
+                 use_tqdm=False)  # warm-up
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
+    dt = time.perf_counter() - t0
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    res = {"lane_tok_s": n_out / dt, "lane_total_tok_s": (n_out + sum(map(len, prompts))) / dt,
+           "lane_s": dt}
+    # batch-1 decode: 128-token prompt; time(1 + 128 tokens) - time(1 token) = 128 decode steps
+    rng = random.Random(1)
+    p128 = [rng.randrange(100, 49152) for _ in range(128)]
+    p1024 = [rng.randrange(100, 49152) for _ in range(1024)]
+
+    def timed(ids, n):
+        t = time.perf_counter()
+        llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=n,
+                                                               ignore_eos=True), use_tqdm=False)
+        return time.perf_counter() - t
+
+    timed(p128, 8)
+    t1 = min(timed(p128, 1) for _ in range(3))
+    t129 = min(timed(p128, 129) for _ in range(2))
+    res["lane_b1_decode_tok_s"] = 128 / (t129 - t1)
+    res["lane_prefill_tok_s"] = 1024 / min(timed(p1024, 1) for _ in range(3))
+    return res
+
+
+def run_hf(prompts, out_len: int, dtype: torch.dtype, batch_sizes: list[int]) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from lane.config import default_model_path
+
+    d, f = os.path.split(default_model_path())
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=dtype).eval()
+    order = sorted(prompts, key=len)
+    pad = 0
+    results = {}
+    for bsz in batch_sizes:
+        t0 = time.perf_counter()
+        n_out = 0
+        for i in range(0, len(order), bsz):
+            batch = order[i:i + bsz]
+            width = max(map(len, batch))
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+            with torch.inference_mode():
+                out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=out_len,
+                                     min_new_tokens=out_len, do_sample=False, pad_token_id=pad)
+            n_out += (out.shape[1] - width) * len(batch)
+        dt = time.perf_counter() - t0
+        results[bsz] = n_out / dt
+        print(f"  HF batch {bsz:3d}: {results[bsz]:8.1f} output tok/s ({dt:.1f} s)", flush=True)
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--min-input-len", type=int, default=128)
+    ap.add_argument("--max-input-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--hf-batch-sizes", default="8,16,32,64")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    check_quiet()
+    prompts = make_workload(args.num_prompts, args.min_input_len, args.max_input_len, 49152, args.seed)
+    print(f"workload: {len(prompts)} requests, {args.min_input_len}-{args.max_input_len} prompt "
+          f"tokens (total {sum(map(len, prompts))}), {args.output_len} output tokens, {args.dtype}")
+    print("lane ...", flush=True)
+    lane = run_lane(prompts, args.output_len, args.dtype, args.threads)
+    print(f"  lane: {lane['lane_tok_s']:.1f} output tok/s ({lane['lane_s']:.1f} s)")
+    print("HF transformers generate ...", flush=True)
+    hf = run_hf(prompts, args.output_len, getattr(torch, args.dtype),
+                [int(b) for b in args.hf_batch_sizes.split(",")])
+    best = max(hf, key=hf.get)
+    ratio = lane["lane_tok_s"] / hf[best]
+    print(f"\nlane {lane['lane_tok_s']:.1f} vs HF best (batch {best}) {hf[best]:.1f} output tok/s: "
+          f"ratio {ratio:.2f}")
+    print(f"lane batch-1 decode: {lane['lane_b1_decode_tok_s']:.1f} tok/s; prefill (1,024 tokens): "
+          f"{lane['lane_prefill_tok_s']:.0f} tok/s")
+    for k, v in PEERS.items():
+        print(f"  peer (PERF.md) {k}: {v}")
+    print(json.dumps({"lane_tok_s": round(lane["lane_tok_s"], 1), "hf_tok_s": round(hf[best], 1),
+                      "hf_best_batch": best, "ratio": round(ratio, 2),
+                      "lane_b1_decode_tok_s": round(lane["lane_b1_decode_tok_s"], 1),
+                      "lane_prefill_tok_s": round(lane["lane_prefill_tok_s"], 1),
+                      "dtype": args.dtype, "num_prompts": len(prompts),
+                      "threads": torch.get_num_threads()}))
+
+
+if __name__ == "__main__":
+    main()
