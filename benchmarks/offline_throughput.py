@@ -29,11 +29,27 @@ PEERS = {"llama.cpp bf16 batch-1 decode tok/s": "140-151", "HF bf16 batch-1 deco
          "llama.cpp bf16 prefill tok/s": "1,400-1,700", "HF bf16 prefill tok/s": "2,000-2,250"}
 
 
+def cpu_busy_fraction(seconds: float = 1.0) -> float:
+    """Share of all CPUs busy over the next ``seconds`` (from /proc/stat)."""
+    def sample():
+        with open("/proc/stat") as f:
+            vals = [int(v) for v in f.readline().split()[1:]]
+        return sum(vals), vals[3] + vals[4]  # total, idle + iowait
+
+    try:
+        t0, i0 = sample()
+        time.sleep(seconds)
+        t1, i1 = sample()
+    except OSError:
+        return 0.0
+    return 1.0 - (i1 - i0) / max(1, t1 - t0)
+
+
 def check_quiet() -> None:
-    load1 = os.getloadavg()[0]
-    if load1 > 0.5:
-        print(f"warning: load average {load1:.2f}: another process is busy; figures will be "
-              f"noisy (ratios measured in this run still compare like with like)", file=sys.stderr)
+    busy = cpu_busy_fraction()
+    if busy > 0.15:
+        print(f"warning: {busy:.0%} of the CPUs are busy with other work; figures will be noisy "
+              f"(ratios measured in this run still compare like with like)", file=sys.stderr)
 
 
 def make_workload(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[int]]:

@@ -66,7 +66,7 @@ TINY_COMMON = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_
                    bos_token_id=1, eos_token_id=2, initializer_range=0.2)
 
 
-def make_tiny_checkpoint(arch: str, out_dir, tokenizer, **overrides) -> str:
+def make_tiny_checkpoint(arch: str, out_dir, tokenizer, max_shard_size=None, **overrides) -> str:
     """A small random HF checkpoint of ``arch`` with SmolLM2's tokenizer."""
     import transformers as tf
 
@@ -83,6 +83,6 @@ def make_tiny_checkpoint(arch: str, out_dir, tokenizer, **overrides) -> str:
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:  # HF zeroes / ones these: make them count
                 p.add_(torch.randn_like(p) * 0.1)
-    model.save_pretrained(out_dir)
+    model.save_pretrained(out_dir, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     tokenizer.save_pretrained(out_dir)
     return str(out_dir)

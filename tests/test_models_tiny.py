@@ -18,10 +18,21 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_tiny_model_logits_match_hf(case, tmp_path, smollm_tokenizer):
+    _check_against_hf(case, tmp_path, smollm_tokenizer)
+
+
+def test_sharded_safetensors_checkpoint(tmp_path, smollm_tokenizer):
+    """Several *.safetensors files, read by several threads, load the same model."""
+    _check_against_hf("llama", tmp_path, smollm_tokenizer, max_shard_size="2MB")
+    assert len(list((tmp_path / "llama").glob("*.safetensors"))) > 1
+
+
+def _check_against_hf(case, tmp_path, smollm_tokenizer, max_shard_size=None):
     from transformers import AutoModelForCausalLM
 
     arch = case.split("-")[0]
-    d = make_tiny_checkpoint(arch, tmp_path / case, smollm_tokenizer, **CASES[case])
+    d = make_tiny_checkpoint(arch, tmp_path / case, smollm_tokenizer, max_shard_size=max_shard_size,
+                             **CASES[case])
     hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     llm = LLM(d, dtype="float32", kv_cache_memory_bytes=32 << 20, show_progress=False)
     assert type(llm.engine.worker.model).__name__ == hf.config.architectures[0]

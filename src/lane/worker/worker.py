@@ -14,6 +14,7 @@ from lane import platform
 from lane.config import EngineConfig
 from lane.core.scheduler import SamplerResult, SchedulerOutput
 from lane.model_executor.layers import cpu_kernels
+from lane.model_executor.layers.linear import prepack_linears
 from lane.model_executor.loader import get_model
 from lane.model_executor.layers.attention import AttentionMetadata, PrefillSpan, set_attention_metadata
 from lane.worker.model_runner import ModelRunner
@@ -30,6 +31,7 @@ class Worker:
             cpu_kernels.build()
         torch.manual_seed(mc.seed)
         self.model = get_model(mc, config.load_threads, config.show_progress)  # step 4
+        self.num_packed = prepack_linears(self.model)
         self.runner = ModelRunner(self.model, config.cache_config.block_size, mc.dtype, mc.device_type)
 
     def determine_num_blocks(self) -> int:

@@ -26,8 +26,10 @@ template <>
 inline void load_row<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_t D) {
   // bf16 -> fp32 is a 16-bit shift: written so the compiler vectorises it
   const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
-  uint32_t* o = reinterpret_cast<uint32_t*>(dst);
-  for (int64_t d = 0; d < D; ++d) o[d] = static_cast<uint32_t>(s[d]) << 16;
+  for (int64_t d = 0; d < D; ++d) {
+    const uint32_t u = static_cast<uint32_t>(s[d]) << 16;
+    std::memcpy(&dst[d], &u, sizeof(float));
+  }
 }
 
 // exp for x <= 0 (softmax after max subtraction), plain arithmetic so loops of
@@ -66,7 +68,7 @@ void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* tables,
   const int64_t blk_stride = KVH * BS * D;  // next block
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), acc(G * D), s(G * BS), m(G), l(G);
-    alignas(64) float row[kMaxD];
+    alignas(64) float rows[4][kMaxD];
     for (int64_t pair = begin; pair < end; ++pair) {
       const int64_t b = pair / KVH, h = pair % KVH;
       const int64_t L = lens[b];
@@ -81,12 +83,29 @@ void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* tables,
       for (int64_t j = 0; j < nblocks; ++j) {
         const int64_t base = tables[b * MB + j] * blk_stride + h * BS * D;
         const int64_t n = std::min(BS, L - j * BS);
-        for (int64_t t = 0; t < n; ++t) {
-          load_row(kc + base + t * tok_stride, row, D);
+        // scores, four tokens at a time: four independent accumulators per head
+        int64_t t = 0;
+        for (; t + 4 <= n; t += 4) {
+          for (int u = 0; u < 4; ++u) load_row(kc + base + (t + u) * tok_stride, rows[u], D);
+          for (int64_t g = 0; g < G; ++g) {
+            const float* qg = &qf[g * D];
+            float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+            for (int64_t d = 0; d < D; ++d) {
+              a0 += qg[d] * rows[0][d];
+              a1 += qg[d] * rows[1][d];
+              a2 += qg[d] * rows[2][d];
+              a3 += qg[d] * rows[3][d];
+            }
+            float* sg = &s[g * BS + t];
+            sg[0] = a0; sg[1] = a1; sg[2] = a2; sg[3] = a3;
+          }
+        }
+        for (; t < n; ++t) {
+          load_row(kc + base + t * tok_stride, rows[0], D);
           for (int64_t g = 0; g < G; ++g) {
             const float* qg = &qf[g * D];
             float dot = 0.f;
-            for (int64_t d = 0; d < D; ++d) dot += qg[d] * row[d];
+            for (int64_t d = 0; d < D; ++d) dot += qg[d] * rows[0][d];
             s[g * BS + t] = dot;
           }
         }
@@ -102,12 +121,23 @@ void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* tables,
           float* a = &acc[g * D];
           for (int64_t d = 0; d < D; ++d) a[d] *= c;
         }
-        for (int64_t t = 0; t < n; ++t) {
-          load_row(vc + base + t * tok_stride, row, D);
+        // acc += p . v, four tokens per pass over the accumulator
+        t = 0;
+        for (; t + 4 <= n; t += 4) {
+          for (int u = 0; u < 4; ++u) load_row(vc + base + (t + u) * tok_stride, rows[u], D);
+          for (int64_t g = 0; g < G; ++g) {
+            const float* p = &s[g * BS + t];
+            float* a = &acc[g * D];
+            for (int64_t d = 0; d < D; ++d)
+              a[d] += p[0] * rows[0][d] + p[1] * rows[1][d] + p[2] * rows[2][d] + p[3] * rows[3][d];
+          }
+        }
+        for (; t < n; ++t) {
+          load_row(vc + base + t * tok_stride, rows[0], D);
           for (int64_t g = 0; g < G; ++g) {
             const float p = s[g * BS + t];
             float* a = &acc[g * D];
-            for (int64_t d = 0; d < D; ++d) a[d] += p * row[d];
+            for (int64_t d = 0; d < D; ++d) a[d] += p * rows[0][d];
           }
         }
       }
