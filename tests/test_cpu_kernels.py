@@ -66,3 +66,45 @@ def test_engine_output_same_without_kernels(tmp_path, smollm_tokenizer):
         assert r.returncode == 0, r.stderr
         runs.append(r.stdout.strip().splitlines()[-1])
     assert runs[0] == runs[1]
+
+
+def test_fused_rms_norm_rotary_silu_match_torch():
+    """bf16 fused kernels against the torch formulas (one rounding instead of several)."""
+    from lane.model_executor.layers.activation import silu_and_mul
+    from transformers import LlamaConfig
+
+    from lane.model_executor.layers.layernorm import RMSNorm
+    from lane.model_executor.layers.rotary_embedding import RotaryEmbedding
+
+    torch.manual_seed(0)
+    bf = torch.bfloat16
+    x = torch.randn(37, 96).to(bf)
+    res = torch.randn(37, 96).to(bf)
+    norm = RMSNorm(96, 1e-5).to(bf)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(96) + 0.5)
+    # torch reference in fp32
+    s = x.float() + res.float()
+    ref = F.rms_norm(s, (96,), eps=1e-5) * norm.weight.float()
+    out, new_res = norm(x.clone(), res.clone())
+    torch.testing.assert_close(new_res.float(), s, atol=3e-2, rtol=1e-2)
+    torch.testing.assert_close(out.float(), ref, atol=6e-2, rtol=2e-2)
+    torch.testing.assert_close(norm(x).float(), F.rms_norm(x.float(), (96,), eps=1e-5) * norm.weight.float(),
+                               atol=6e-2, rtol=2e-2)
+    # rope on strided views of a fused qkv buffer, as the attention layer calls it
+    cfg = LlamaConfig(hidden_size=256, num_attention_heads=4, rope_theta=10000.0)
+    rope = RotaryEmbedding(cfg, 64, 128)
+    qkv = torch.randn(9, 6 * 64).to(bf)
+    pos = torch.tensor([0, 1, 2, 5, 17, 40, 41, 100, 127])
+    q, k = qkv[:, :256].view(9, 4, 64), qkv[:, 256:320].view(9, 1, 64)
+    cos, sin = rope.cos[pos].unsqueeze(1), rope.sin[pos].unsqueeze(1)
+    ref_q = rope._apply(q.float(), cos, sin)
+    ref_k = rope._apply(k.float(), cos, sin)
+    v_before = qkv[:, 320:].clone()
+    q2, k2 = rope(rope.prepare(pos, bf), q, k)
+    torch.testing.assert_close(q2.float(), ref_q, atol=3e-2, rtol=1e-2)
+    torch.testing.assert_close(k2.float(), ref_k, atol=3e-2, rtol=1e-2)
+    assert torch.equal(qkv[:, 320:], v_before)  # V untouched
+    gu = torch.randn(11, 2 * 48).to(bf)
+    torch.testing.assert_close(silu_and_mul(gu).float(), F.silu(gu[:, :48].float()) * gu[:, 48:].float(),
+                               atol=3e-2, rtol=2e-2)

@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 _ext = None
 _tried = False
 _SOURCES = [os.path.join(os.path.dirname(__file__), "csrc", f)
-            for f in ("bindings.cpp", "paged_attention.cpp", "gemv.cpp")]
+            for f in ("bindings.cpp", "paged_attention.cpp", "gemv.cpp", "elementwise.cpp")]
 
 
 def build() -> bool:
@@ -50,9 +50,27 @@ def usable(x: torch.Tensor) -> bool:
     return _ext is not None and x.device.type == "cpu"
 
 
+def fused_usable(x: torch.Tensor) -> bool:
+    """The fused element-wise kernels round once where torch rounds after every
+    op: used for bf16 only, so float32 stays bit-comparable with HF."""
+    return _ext is not None and x.device.type == "cpu" and x.dtype == torch.bfloat16
+
+
 def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
     return _ext.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
 
 
 def small_m_linear(x, weight, bias):
     return _ext.small_m_linear(x, weight, bias)
+
+
+def rms_norm_(x, residual, weight, eps):
+    _ext.rms_norm_(x, residual, weight, eps)
+
+
+def rotary_(x, positions, cos, sin):
+    _ext.rotary_(x, positions, cos, sin)
+
+
+def silu_and_mul(x):
+    return _ext.silu_and_mul(x)

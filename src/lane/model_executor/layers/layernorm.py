@@ -5,6 +5,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lane.model_executor.layers import cpu_kernels
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -14,6 +16,14 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """``norm(x)``; with ``residual``: returns (norm(x + residual), x + residual)."""
+        if cpu_kernels.fused_usable(x) and x.is_contiguous():
+            if residual is None:
+                out = x.clone()
+                cpu_kernels.rms_norm_(out, None, self.weight, self.eps)
+                return out
+            if residual.is_contiguous():  # both updated in place: one pass
+                cpu_kernels.rms_norm_(x, residual, self.weight, self.eps)
+                return x, residual
         if residual is not None:
             x = x + residual
             residual = x

@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from lane.model_executor.layers import cpu_kernels
+
 
 def compute_inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -39,13 +41,21 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Looked up once per forward and shared by every layer."""
-        return (self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype))
+    def prepare(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple:
+        """Once per forward, shared by every layer: the positions, and for the
+        torch path their cos / sin rows in the model dtype."""
+        if cpu_kernels.fused_usable(torch.empty(0, dtype=dtype, device=positions.device)):
+            return positions, None, None
+        return (positions, self.cos[positions].unsqueeze(1).to(dtype),
+                self.sin[positions].unsqueeze(1).to(dtype))
 
-    def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor):
-        """q: [T, H, D], k: [T, KV, D] -> rotated copies."""
-        cos, sin = cos_sin
+    def forward(self, rope: tuple, q: torch.Tensor, k: torch.Tensor):
+        """q: [T, H, D], k: [T, KV, D] -> rotated (in place on the fused path)."""
+        positions, cos, sin = rope
+        if cos is None:
+            cpu_kernels.rotary_(q, positions, self.cos, self.sin)
+            cpu_kernels.rotary_(k, positions, self.cos, self.sin)
+            return q, k
         return self._apply(q, cos, sin), self._apply(k, cos, sin)
 
     def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
