@@ -1,4 +1,8 @@
 """lane: an LLM serving engine that shows every step of a request's path."""
+from lane.logger import configure_logging
+
+configure_logging()
+
 from lane.registry import ModelRegistry
 from lane.sampling_params import SamplingParams
 from lane.outputs import CompletionOutput, Logprob, RequestOutput

@@ -6,9 +6,12 @@ import logging
 import time
 from dataclasses import dataclass
 
+import torch
+
 from lane.config import EngineConfig
 from lane.core.request import Request, RequestStatus
 from lane.core.scheduler import EngineCoreOutput, Scheduler
+from lane.model_executor.layers import cpu_kernels
 from lane.sampling_params import SamplingParams
 from lane.worker.worker import Worker
 
@@ -36,8 +39,16 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler_config, cc, config.model_config.eos_token_ids)
         self.kv_cache_bytes = cc.num_blocks * self.worker.runner.kv_cache_bytes_per_block()
         self.init_s = time.perf_counter() - t0
-        logger.info("KV cache: %d blocks x %d tokens (%.1f MiB); init took %.2f s",
-                    cc.num_blocks - 1, cc.block_size, self.kv_cache_bytes / 2**20, self.init_s)
+        mc = config.model_config
+        logger.info("Model %s: %s, dtype %s, %d threads, CPU kernels %s, max_model_len %d",
+                    mc.short_name, mc.architectures[0] if mc.architectures else "?",
+                    str(mc.dtype).removeprefix("torch."), self.worker.threads,
+                    "on" if cpu_kernels.usable(torch.empty(0)) else "off", mc.max_model_len)
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB of a %.1f MiB budget); "
+                    "prefix caching %s; init (load, KV pool, warm-up) took %.2f s",
+                    cc.num_blocks - 1, cc.block_size, (cc.num_blocks - 1) * cc.block_size,
+                    self.kv_cache_bytes / 2**20, cc.budget_bytes() / 2**20,
+                    "on" if cc.enable_prefix_caching else "off", self.init_s)
 
     @property
     def max_model_len(self) -> int:

@@ -6,6 +6,8 @@ import logging
 import re
 import sys
 
+from lane.logger import set_level
+
 
 def parse_bytes(text: str) -> int:
     """'4G', '512MiB', '1e9' or a plain integer -> bytes."""
@@ -53,18 +55,12 @@ def cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     except ValueError as e:
         flag = str(e).split()[0].replace("_", "-")
         parser.error(f"--{flag}: {e}")
+    if args.quiet:
+        set_level(logging.WARNING)
     try:
         llm = LLM(args.model, show_progress=not args.quiet, **engine_kwargs(args))
     except (ValueError, FileNotFoundError, TypeError) as e:
         parser.error(str(e))
-    core = llm.engine
-    mc = llm.config.model_config
-    if not args.quiet:
-        print(f"[lane] model {mc.short_name} ({mc.architectures[0]}), dtype "
-              f"{str(mc.dtype).removeprefix('torch.')}, {core.worker.threads} threads, KV cache "
-              f"{core.config.cache_config.num_blocks - 1} blocks x {core.config.cache_config.block_size} "
-              f"tokens ({core.kv_cache_bytes / 2**20:.0f} MiB), max_model_len {mc.max_model_len}",
-              file=sys.stderr)
     try:
         prompt = ({"prompt_token_ids": llm.apply_chat_template([{"role": "user", "content": args.prompt}])}
                   if args.chat else args.prompt)
@@ -96,7 +92,6 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--quiet", action="store_true", help="no progress bars or start-up line")
     add_engine_args(gen)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "generate":
         return cmd_generate(args, gen)
     return 2

@@ -83,6 +83,16 @@ void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* tables,
       for (int64_t j = 0; j < nblocks; ++j) {
         const int64_t base = tables[b * MB + j] * blk_stride + h * BS * D;
         const int64_t n = std::min(BS, L - j * BS);
+        if (j + 1 < nblocks) {  // overlap the next block's DRAM reads with this block's math
+          const int64_t next = tables[b * MB + j + 1] * blk_stride + h * BS * D;
+          const char* kn = reinterpret_cast<const char*>(kc + next);
+          const char* vn = reinterpret_cast<const char*>(vc + next);
+          const int64_t bytes = BS * D * static_cast<int64_t>(sizeof(T));
+          for (int64_t off = 0; off < bytes; off += 64) {
+            __builtin_prefetch(kn + off);
+            __builtin_prefetch(vn + off);
+          }
+        }
         // scores, four tokens at a time: four independent accumulators per head
         int64_t t = 0;
         for (; t + 4 <= n; t += 4) {

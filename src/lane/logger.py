@@ -1,0 +1,27 @@
+"""lane's log output: INFO by default (start-up facts users want to see), as vLLM
+does; LANE_LOGGING_LEVEL changes the level, LANE_CONFIGURE_LOGGING=0 leaves
+logging to the application."""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+_FORMAT = "%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s"
+
+
+def configure_logging() -> None:
+    if os.environ.get("LANE_CONFIGURE_LOGGING", "1") == "0":
+        return
+    root = logging.getLogger("lane")
+    if root.handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(_FORMAT, datefmt="%m-%d %H:%M:%S"))
+    root.addHandler(handler)
+    root.setLevel(os.environ.get("LANE_LOGGING_LEVEL", "INFO").upper())
+    root.propagate = False
+
+
+def set_level(level: int | str) -> None:
+    logging.getLogger("lane").setLevel(level)
