@@ -158,10 +158,12 @@ class KVCacheManager:
             if b is None:
                 break
             hit.append(b)
-        n_tokens = len(hit) * self.block_size
-        self.stats.queries += req.num_tokens
-        self.stats.hits += n_tokens
-        return hit, n_tokens
+        return hit, len(hit) * self.block_size
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count an admitted request's lookup (vLLM counts queries and hits in tokens)."""
+        self.stats.queries += num_tokens
+        self.stats.hits += num_hit_tokens
 
     def allocate_slots(self, req: Request, num_new_tokens: int,
                        new_computed_blocks: list[KVCacheBlock] | None = None) -> list[KVCacheBlock] | None:

@@ -121,8 +121,8 @@ class Scheduler:
             if self.kv.allocate_slots(req, n, hit_blocks) is None:
                 break
             self.waiting.popleft()
-            self.kv.stats.queries += req.num_tokens
-            self.kv.stats.hits += n_hit
+            if self.kv.enable_caching:
+                self.kv.record_prefix_lookup(req.num_tokens, n_hit)
             out.num_prefix_hit_tokens += n_hit
             req.num_computed_tokens += n_hit
             if req.num_cached_tokens < 0:
