@@ -160,6 +160,170 @@ void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* tables,
   });
 }
 
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+// AVX-512 path for a bf16 cache and head_dim = 16 * DV: K/V rows widen to fp32
+// in registers, dot products and p.v run on whole vectors.
+inline __m512 bf16x16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// fast_exp on 16 lanes
+inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.3981999507e-3f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+template <int DV>
+void decode_bf16_avx512(const c10::BFloat16* q_, const c10::BFloat16* kc_, const c10::BFloat16* vc_,
+                        const int64_t* tables, const int32_t* lens, c10::BFloat16* out, int64_t B,
+                        int64_t H, int64_t KVH, int64_t BS, int64_t MB, float scale) {
+  constexpr int64_t D = DV * 16;
+  const uint16_t* qp = reinterpret_cast<const uint16_t*>(q_);
+  const uint16_t* kc = reinterpret_cast<const uint16_t*>(kc_);
+  const uint16_t* vc = reinterpret_cast<const uint16_t*>(vc_);
+  const int64_t G = H / KVH;
+  const int64_t blk_stride = KVH * BS * D;
+  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<__m512> qv(G * DV), acc(G * DV);
+    std::vector<float> s(G * BS), m(G), l(G);
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t b = pair / KVH, h = pair % KVH;
+      const int64_t L = lens[b];
+      for (int64_t g = 0; g < G; ++g) {
+        for (int i = 0; i < DV; ++i) {
+          qv[g * DV + i] = _mm512_mul_ps(bf16x16(qp + (b * H + h * G + g) * D + 16 * i), vscale);
+          acc[g * DV + i] = _mm512_setzero_ps();
+        }
+        m[g] = -INFINITY;
+        l[g] = 0.f;
+      }
+      const int64_t nblocks = (L + BS - 1) / BS;
+      for (int64_t j = 0; j < nblocks; ++j) {
+        const int64_t base = tables[b * MB + j] * blk_stride + h * BS * D;
+        const int64_t n = std::min(BS, L - j * BS);
+        if (j + 1 < nblocks) {
+          const int64_t next = tables[b * MB + j + 1] * blk_stride + h * BS * D;
+          for (int64_t off = 0; off < BS * D; off += 32) {
+            _mm_prefetch(reinterpret_cast<const char*>(kc + next + off), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(vc + next + off), _MM_HINT_T0);
+          }
+        }
+        int64_t t = 0;
+        for (; t + 4 <= n; t += 4) {  // four tokens: four independent FMA chains per head
+          __m512 k0[DV], k1[DV], k2[DV], k3[DV];
+          for (int i = 0; i < DV; ++i) {
+            k0[i] = bf16x16(kc + base + t * D + 16 * i);
+            k1[i] = bf16x16(kc + base + (t + 1) * D + 16 * i);
+            k2[i] = bf16x16(kc + base + (t + 2) * D + 16 * i);
+            k3[i] = bf16x16(kc + base + (t + 3) * D + 16 * i);
+          }
+          for (int64_t g = 0; g < G; ++g) {
+            const __m512* qg = &qv[g * DV];
+            __m512 a0 = _mm512_mul_ps(qg[0], k0[0]), a1 = _mm512_mul_ps(qg[0], k1[0]);
+            __m512 a2 = _mm512_mul_ps(qg[0], k2[0]), a3 = _mm512_mul_ps(qg[0], k3[0]);
+            for (int i = 1; i < DV; ++i) {
+              a0 = _mm512_fmadd_ps(qg[i], k0[i], a0);
+              a1 = _mm512_fmadd_ps(qg[i], k1[i], a1);
+              a2 = _mm512_fmadd_ps(qg[i], k2[i], a2);
+              a3 = _mm512_fmadd_ps(qg[i], k3[i], a3);
+            }
+            float* sg = &s[g * BS + t];
+            sg[0] = _mm512_reduce_add_ps(a0);
+            sg[1] = _mm512_reduce_add_ps(a1);
+            sg[2] = _mm512_reduce_add_ps(a2);
+            sg[3] = _mm512_reduce_add_ps(a3);
+          }
+        }
+        for (; t < n; ++t) {
+          __m512 kr[DV];
+          for (int i = 0; i < DV; ++i) kr[i] = bf16x16(kc + base + t * D + 16 * i);
+          for (int64_t g = 0; g < G; ++g) {
+            const __m512* qg = &qv[g * DV];
+            __m512 a = _mm512_mul_ps(qg[0], kr[0]);
+            for (int i = 1; i < DV; ++i) a = _mm512_fmadd_ps(qg[i], kr[i], a);
+            s[g * BS + t] = _mm512_reduce_add_ps(a);
+          }
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          float* sg = &s[g * BS];
+          float mb = m[g];
+          float sum = 0.f;
+          if (BS == 16) {  // the whole block's scores in one register
+            const __mmask16 k = static_cast<__mmask16>((1u << n) - 1u);
+            const __m512 sv = _mm512_maskz_loadu_ps(k, sg);
+            const float bm = _mm512_mask_reduce_max_ps(k, sv);
+            mb = bm > mb ? bm : mb;
+            const __m512 e = _mm512_maskz_mov_ps(k, exp512(_mm512_sub_ps(sv, _mm512_set1_ps(mb))));
+            _mm512_storeu_ps(sg, e);
+            sum = _mm512_reduce_add_ps(e);
+          } else {
+            for (int64_t t = 0; t < n; ++t) mb = sg[t] > mb ? sg[t] : mb;
+            for (int64_t t = 0; t < n; ++t) { sg[t] = fast_exp(sg[t] - mb); sum += sg[t]; }
+          }
+          const float c = m[g] == -INFINITY ? 0.f : fast_exp(m[g] - mb);
+          l[g] = l[g] * c + sum;
+          m[g] = mb;
+          const __m512 vc_ = _mm512_set1_ps(c);
+          for (int i = 0; i < DV; ++i) acc[g * DV + i] = _mm512_mul_ps(acc[g * DV + i], vc_);
+        }
+        for (int64_t t = 0; t < n; ++t) {
+          __m512 vr[DV];
+          for (int i = 0; i < DV; ++i) vr[i] = bf16x16(vc + base + t * D + 16 * i);
+          for (int64_t g = 0; g < G; ++g) {
+            const __m512 p = _mm512_set1_ps(s[g * BS + t]);
+            __m512* a = &acc[g * DV];
+            for (int i = 0; i < DV; ++i) a[i] = _mm512_fmadd_ps(p, vr[i], a[i]);
+          }
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const float inv = 1.f / l[g];
+        alignas(64) float tmp[16];
+        for (int i = 0; i < DV; ++i) {
+          _mm512_store_ps(tmp, _mm512_mul_ps(acc[g * DV + i], _mm512_set1_ps(inv)));
+          for (int e = 0; e < 16; ++e)
+            out[(b * H + h * G + g) * D + 16 * i + e] = static_cast<c10::BFloat16>(tmp[e]);
+        }
+      }
+    }
+  });
+}
+#endif
+
+// The AVX-512 path where it applies (bf16 cache, head_dim 64 or 128); false otherwise.
+template <typename T>
+bool try_avx512(const T*, const T*, const T*, const int64_t*, const int32_t*, T*, int64_t, int64_t,
+                int64_t, int64_t, int64_t, int64_t, float) {
+  return false;
+}
+#if defined(__AVX512F__)
+template <>
+bool try_avx512<c10::BFloat16>(const c10::BFloat16* q, const c10::BFloat16* kc,
+                               const c10::BFloat16* vc, const int64_t* tables, const int32_t* lens,
+                               c10::BFloat16* out, int64_t B, int64_t H, int64_t KVH, int64_t D,
+                               int64_t BS, int64_t MB, float scale) {
+  if (D == 64) decode_bf16_avx512<4>(q, kc, vc, tables, lens, out, B, H, KVH, BS, MB, scale);
+  else if (D == 128) decode_bf16_avx512<8>(q, kc, vc, tables, lens, out, B, H, KVH, BS, MB, scale);
+  else return false;
+  return true;
+}
+#endif
+
 }  // namespace
 
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -181,6 +345,10 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
              tables.data_ptr<int64_t>(), lens.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), B, H,
              KVH, D, BS, MB, static_cast<float>(scale));
     };
+    if (try_avx512(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
+                   tables.data_ptr<int64_t>(), lens.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), B,
+                   H, KVH, D, BS, MB, static_cast<float>(scale)))
+      return;
     if (D == 64) run(decode_kernel<scalar_t, 64>);
     else if (D == 128) run(decode_kernel<scalar_t, 128>);
     else run(decode_kernel<scalar_t, 0>);
