@@ -18,7 +18,8 @@ def built():
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("kvh, g, d, bs", [(3, 3, 64, 16), (2, 1, 32, 8), (1, 8, 128, 16), (4, 2, 48, 32)])
+@pytest.mark.parametrize("kvh, g, d, bs", [(3, 3, 64, 16), (2, 1, 32, 8), (1, 8, 128, 16), (4, 2, 48, 32),
+                                         (2, 2, 64, 32), (2, 4, 128, 8)])
 def test_paged_decode_attention(dtype, tol, kvh, g, d, bs):
     torch.manual_seed(0)
     nb, B = 64, 6
