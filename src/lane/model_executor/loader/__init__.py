@@ -65,6 +65,6 @@ def get_model(model_config: ModelConfig, load_threads: int = 4, progress: bool =
     if missing:
         raise ValueError(f"checkpoint misses {len(missing)} tensors of {arch}, e.g. {missing[:3]}")
     model.eval()
-    logger.info("Loaded %s as %s (%s) in %.2f s", model_config.model, arch, model_cls.__name__,
-                time.perf_counter() - t0)
+    logger.info("Loaded %s: architecture %s -> %s:%s in %.2f s", model_config.short_name, arch,
+                model_cls.__module__, model_cls.__qualname__, time.perf_counter() - t0)
     return model
