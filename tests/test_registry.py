@@ -11,7 +11,7 @@ import uuid
 import pytest
 import torch.nn as nn
 
-from lane import ModelRegistry, plugins
+from lane import ModelRegistry
 
 BUILTINS = {
     "LlamaForCausalLM": "llama",

@@ -1,5 +1,4 @@
 """Sampler behaviour through the whole engine, and the errors users get for bad input."""
-import math
 
 import pytest
 import torch

@@ -1,6 +1,4 @@
 """The embedded default model against HF transformers on the same GGUF."""
-import pytest
-import torch
 
 from lane import LLM, SamplingParams
 from conftest import PROMPTS, hf_greedy

@@ -1,7 +1,7 @@
 """SamplingParams, with vLLM's names and limits."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 MAX_LOGPROBS = 20
 

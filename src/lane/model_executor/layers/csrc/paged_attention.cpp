@@ -52,7 +52,6 @@ inline float fast_exp(float x) {
 
 constexpr int64_t kMaxD = 512;
 constexpr int64_t kMaxBS = 256;
-constexpr int64_t kMaxG = 64;
 
 // One pass over the request's blocks with a per-block online softmax: K and V
 // are each read once, straight from the cache.
