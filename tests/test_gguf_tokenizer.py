@@ -275,3 +275,28 @@ def test_stop_string_spanning_multibyte_tokens(tok):
     assert detok.output_text == "前言🙂"
     assert "".join(deltas) == "前言🙂"
     assert not any("\ufffd" in d for d in deltas)
+
+
+def test_gguf_file_matches_gguf_reader():
+    """lane's lean GGUF reader sees exactly what the gguf package sees."""
+    import gguf
+    import numpy as np
+
+    from lane.config import default_model_path
+    from lane.model_executor.loader.gguf_file import GGUFFile
+
+    path = default_model_path()
+    ours, ref = GGUFFile(path), gguf.GGUFReader(path)
+    keys = [k for k in ref.fields if not k.startswith("GGUF.")]
+    assert sorted(ours.metadata) == sorted(keys)
+    for k in keys:
+        v = ref.fields[k].contents()
+        if isinstance(v, float):
+            assert ours.metadata[k] == pytest.approx(v)
+        else:
+            assert ours.metadata[k] == v, k
+    assert len(ours.tensors) == len(ref.tensors) == 272
+    for a, b in zip(ours.tensors, ref.tensors):
+        assert (a.name, a.tensor_type) == (b.name, b.tensor_type)
+        assert a.shape == tuple(reversed(b.shape.tolist()))
+        assert np.array_equal(a.data, b.data.reshape(-1).view(np.uint8)), a.name

@@ -1,6 +1,7 @@
 """GGUF files (seed step 4): config, tokenizer and dequantised weights.
 
-Read with the ``gguf`` package (memory-mapped). F32/F16/BF16/Q8_0/Q4_0/Q4_1 are
+Metadata and tensor records come from ``gguf_file.GGUFFile`` (memory-mapped);
+the ``gguf`` package supplies the quantisation tables and the fallback dequantiser. F32/F16/BF16/Q8_0/Q4_0/Q4_1 are
 dequantised here in torch; other quantisation types fall back to gguf's numpy
 dequantiser. llama.cpp stores Llama's Q and K rows permuted for its rope
 kernel; we undo that so the weights match HF's rotate-half layout.
@@ -13,6 +14,8 @@ from typing import Iterator
 
 import numpy as np
 import torch
+
+from lane.model_executor.loader.gguf_file import GGUFFile
 
 GGUF_ARCH_TO_HF = {
     "llama": "LlamaForCausalLM",
@@ -40,16 +43,13 @@ _TENSOR_NAMES = {
 
 
 @functools.lru_cache(maxsize=4)
-def open_gguf(path: str):
-    """Parsed once per process: reading the metadata of a 49k-token vocabulary takes seconds."""
-    import gguf
-
-    return gguf.GGUFReader(path)
+def open_gguf(path: str) -> GGUFFile:
+    """Parsed once per process."""
+    return GGUFFile(path)
 
 
-def _field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
+def _field(reader: GGUFFile, key: str, default=None):
+    return reader.metadata.get(key, default)
 
 
 def gguf_to_hf_config(reader):
@@ -149,8 +149,7 @@ def iter_gguf_weights(reader, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
         name = hf_tensor_name(t.name)
         if name is None:
             continue
-        shape = tuple(int(x) for x in reversed(t.shape.tolist()))
-        w = dequantize(t.data, t.tensor_type, shape)
+        w = dequantize(t.data, t.tensor_type, t.shape)
         if arch in ("llama", "mistral"):
             if name.endswith("self_attn.q_proj.weight"):
                 w = _unpermute(w, hf_config.num_attention_heads)
