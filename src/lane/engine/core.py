@@ -6,8 +6,6 @@ import logging
 import time
 from dataclasses import dataclass
 
-import torch
-
 from lane.config import EngineConfig
 from lane.core.request import Request, RequestStatus
 from lane.core.scheduler import EngineCoreOutput, Scheduler
@@ -43,7 +41,7 @@ class EngineCore:
         logger.info("Model %s: %s, dtype %s, %d threads, CPU kernels %s, max_model_len %d",
                     mc.short_name, mc.architectures[0] if mc.architectures else "?",
                     str(mc.dtype).removeprefix("torch."), self.worker.threads,
-                    "on" if cpu_kernels.usable(torch.empty(0)) else "off", mc.max_model_len)
+                    "on" if cpu_kernels.available() else "off", mc.max_model_len)
         logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB of a %.1f MiB budget); "
                     "prefix caching %s; init (load, KV pool, warm-up) took %.2f s",
                     cc.num_blocks - 1, cc.block_size, (cc.num_blocks - 1) * cc.block_size,

@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--quiet", action="store_true", help="no progress bars or start-up line")
+    gen.add_argument("--quiet", action="store_true", help="no progress bars or start-up log, only warnings")
     add_engine_args(gen)
     args = parser.parse_args(argv)
     if args.command == "generate":

@@ -2,9 +2,9 @@
 
 The cache of one layer is ``[num_blocks, num_kv_heads, block_size, head_dim]``
 for K and for V: head-major inside a block, so one head's tokens of a block are
-one contiguous run (what the decode kernel streams, and what SDPA wants). Each step's batch is flattened: query-length-1 requests
-(decodes) come first and are attended in one batched call; prefill chunks
-follow, one call each. Block 0 is a zeroed null block that pads block tables.
+one contiguous run (what the decode kernel streams, and what SDPA wants).
+Each step's batch is flattened: query-length-1 requests (decodes) come first
+and are attended in one batched call; prefill chunks follow, one call each. Block 0 is a zeroed null block that pads block tables.
 """
 from __future__ import annotations
 

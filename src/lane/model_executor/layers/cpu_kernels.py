@@ -41,8 +41,12 @@ def build() -> bool:
                     extra_ldflags=["-fopenmp"], verbose=False)
         logger.info("CPU kernels ready in %.1f s", time.perf_counter() - t0)
     except Exception as e:  # no compiler, no ninja, ...: the torch paths still work
-        logger.warning("CPU kernels unavailable, using torch attention (%s)", str(e).splitlines()[0])
+        logger.warning("CPU kernels unavailable, using the torch paths (%s)", str(e).splitlines()[0])
         _ext = None
+    return _ext is not None
+
+
+def available() -> bool:
     return _ext is not None
 
 
@@ -50,10 +54,14 @@ def usable(x: torch.Tensor) -> bool:
     return _ext is not None and x.device.type == "cpu"
 
 
-def fused_usable(x: torch.Tensor) -> bool:
+def fused_for(dtype: torch.dtype, device: torch.device) -> bool:
     """The fused element-wise kernels round once where torch rounds after every
     op: used for bf16 only, so float32 stays bit-comparable with HF."""
-    return _ext is not None and x.device.type == "cpu" and x.dtype == torch.bfloat16
+    return _ext is not None and device.type == "cpu" and dtype == torch.bfloat16
+
+
+def fused_usable(x: torch.Tensor) -> bool:
+    return fused_for(x.dtype, x.device)
 
 
 def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale):

@@ -44,7 +44,7 @@ class RotaryEmbedding(nn.Module):
     def prepare(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple:
         """Once per forward, shared by every layer: the positions, and for the
         torch path their cos / sin rows in the model dtype."""
-        if cpu_kernels.fused_usable(torch.empty(0, dtype=dtype, device=positions.device)):
+        if cpu_kernels.fused_for(dtype, positions.device):
             return positions, None, None
         return (positions, self.cos[positions].unsqueeze(1).to(dtype),
                 self.sin[positions].unsqueeze(1).to(dtype))
