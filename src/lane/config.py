@@ -176,3 +176,30 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.scheduler_config.max_model_len = self.model_config.max_model_len
+
+
+@dataclass
+class EngineArgs:
+    """The user-facing engine settings (flags of ``lane generate`` / ``lane serve``, keyword
+    arguments of ``LLM``): plain values, so they cross a process boundary as they are."""
+    model: str | None = None
+    dtype: str = "auto"
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    max_model_len: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    seed: int = 0
+    threads: int | None = None
+    show_progress: bool = True
+
+    def create_model_config(self) -> ModelConfig:
+        return ModelConfig(self.model, dtype=self.dtype, max_model_len=self.max_model_len, seed=self.seed)
+
+    def create_engine_config(self, model_config: ModelConfig | None = None) -> EngineConfig:
+        return EngineConfig(
+            model_config or self.create_model_config(),
+            CacheConfig(self.block_size, self.enable_prefix_caching, self.kv_cache_memory_bytes),
+            SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs),
+            threads=self.threads, show_progress=self.show_progress)

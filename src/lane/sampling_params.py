@@ -6,6 +6,15 @@ from dataclasses import dataclass
 MAX_LOGPROBS = 20
 
 
+class ParamError(ValueError):
+    """A bad request parameter; ``param`` names it (the API's error body and the CLI's
+    flag name come from it)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -36,8 +45,8 @@ class SamplingParams:
         self._verify()
 
     def _verify(self) -> None:
-        def bad(name: str, msg: str, value) -> ValueError:
-            return ValueError(f"{name} {msg}, got {value!r}")
+        def bad(name: str, msg: str, value) -> ParamError:
+            return ParamError(name, f"{name} {msg}, got {value!r}")
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "must be at least 1", self.n)

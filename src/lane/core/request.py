@@ -46,6 +46,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit at first schedule (-1: not yet)
     num_preemptions: int = 0
+    scheduled_ts: float = 0.0  # monotonic time it was first scheduled
     stop_reason: int | str | None = None
     # chained hashes of this request's full blocks, grown as tokens arrive
     block_hashes: list[bytes] = field(default_factory=list)

@@ -9,12 +9,14 @@ newest running request is preempted and later recomputed.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from lane.config import CacheConfig, SchedulerConfig
 from lane.core.kv_cache_manager import KVCacheManager
 from lane.core.request import Request, RequestStatus
+from lane.metrics.stats import SchedulerStats
 
 
 @dataclass
@@ -53,6 +55,9 @@ class EngineCoreOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    # engine-side times (monotonic), sent with a request's first token for the metrics
+    queued_ts: float = 0.0
+    scheduled_ts: float = 0.0
 
 
 @dataclass
@@ -83,6 +88,10 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def make_stats(self) -> SchedulerStats:
+        return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage,
+                              self.kv.stats.queries, self.kv.stats.hits, self.num_preemptions)
 
     # -- step 15: one scheduling round ----------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -128,6 +137,8 @@ class Scheduler:
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = n_hit
             req.status = RequestStatus.RUNNING
+            if not req.scheduled_ts:
+                req.scheduled_ts = time.monotonic()
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, n, self.kv.get_block_ids(req)))
             budget -= n
@@ -161,6 +172,8 @@ class Scheduler:
             out = EngineCoreOutput(req.request_id, [result.token_id],
                                    [result.logprobs] if result.logprobs is not None else None,
                                    num_cached_tokens=max(req.num_cached_tokens, 0))
+            if req.num_output_tokens == 1:
+                out.queued_ts, out.scheduled_ts = req.arrival_time, req.scheduled_ts
             if status is not None:
                 self.running.remove(req)
                 self._finish(req, status)

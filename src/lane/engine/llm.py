@@ -7,19 +7,18 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import Any, Iterator, Sequence
+from typing import Iterator, Sequence
 
 from tqdm import tqdm
 
-from lane.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from lane.config import EngineArgs
 from lane.engine.core import EngineCore, EngineCoreRequest
 from lane.engine.output_processor import OutputProcessor
+from lane.engine.processor import InputProcessor, PromptType
 from lane.outputs import RequestOutput
 from lane.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-PromptType = str | dict[str, Any]
 
 
 class LLM:
@@ -28,13 +27,12 @@ class LLM:
                  max_num_seqs: int = 128, max_model_len: int | None = None,
                  kv_cache_memory_bytes: int | None = None, seed: int = 0,
                  threads: int | None = None, show_progress: bool = True) -> None:
-        model_config = ModelConfig(model, dtype=dtype, max_model_len=max_model_len, seed=seed)
-        self.config = EngineConfig(
-            model_config,
-            CacheConfig(block_size, enable_prefix_caching, kv_cache_memory_bytes),
-            SchedulerConfig(max_num_batched_tokens, max_num_seqs),
-            threads=threads, show_progress=show_progress)
-        self.tokenizer = model_config.get_tokenizer()
+        args = EngineArgs(model, dtype, block_size, enable_prefix_caching, max_num_batched_tokens,
+                          max_num_seqs, max_model_len, kv_cache_memory_bytes, seed, threads,
+                          show_progress)
+        self.config = args.create_engine_config()
+        self.tokenizer = self.config.model_config.get_tokenizer()
+        self.processor = InputProcessor(self.config.model_config, self.tokenizer)
         self.engine = EngineCore(self.config)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
@@ -43,29 +41,16 @@ class LLM:
         return self.tokenizer
 
     # -- requests -------------------------------------------------------------
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-        if isinstance(prompt, dict) and "prompt" in prompt:
-            return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
-        raise TypeError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
-
-    def _add_request(self, prompt: PromptType, params: SamplingParams) -> str:
-        text, ids = self._tokenize(prompt)
+    def _add_request(self, prompt: PromptType, params: SamplingParams, stream: bool = False) -> str:
+        text, ids = self.processor.tokenize(prompt)
+        self.processor.validate(ids, params)
         rid = str(next(self._ids))
-        pairs = self.output_processor.add_request(rid, text, ids, params)
-        try:
-            for cid, cp in pairs:
-                self.engine.add_request(EngineCoreRequest(cid, ids, cp))
-        except Exception:
-            self.engine.abort_requests(self.output_processor.abort(rid))
-            raise
+        for cid, cp in self.output_processor.add_request(rid, text, ids, params, stream):
+            self.engine.add_request(EngineCoreRequest(cid, ids, cp))
         return rid
 
-    def _step(self, stream: bool = False) -> list[RequestOutput]:
-        outputs, stop_now = self.output_processor.process_outputs(self.engine.step(), stream)
+    def _step(self) -> list[RequestOutput]:
+        outputs, stop_now = self.output_processor.process_outputs(self.engine.step())
         if stop_now:  # a stop string was found by the detokenizer
             self.engine.abort_requests(stop_now)
         return outputs
@@ -101,19 +86,14 @@ class LLM:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             chat_template: str | None = None) -> list[int]:
-        if not messages:
-            raise ValueError("messages must not be empty")
-        text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-            chat_template=chat_template)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.processor.apply_chat_template(messages, add_generation_prompt, chat_template)
 
     def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yield text deltas of one prompt's first sample as they are generated."""
-        rid = self._add_request(prompt, sampling_params or SamplingParams())
+        rid = self._add_request(prompt, sampling_params or SamplingParams(), stream=True)
         try:
             while True:
-                for out in self._step(stream=True):
+                for out in self._step():
                     if out.request_id == rid:
                         if out.outputs[0].text:
                             yield out.outputs[0].text

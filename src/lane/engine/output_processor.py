@@ -2,10 +2,12 @@
 RequestOutputs, fan n > 1 samples back into one result (vLLM's OutputProcessor)."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from lane.core.scheduler import EngineCoreOutput
 from lane.engine.detokenizer import IncrementalDetokenizer
+from lane.metrics.stats import IterationStats, RequestStateStats
 from lane.outputs import CompletionOutput, Logprob, RequestOutput
 from lane.sampling_params import SamplingParams
 
@@ -21,6 +23,7 @@ class ChildState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     delta_start: int = 0  # token index where the current streaming delta begins
+    stats: RequestStateStats | None = None  # timings, when the frontend keeps metrics
 
 
 @dataclass
@@ -29,6 +32,7 @@ class RequestState:
     prompt: str | None
     prompt_token_ids: list[int]
     children: dict[str, ChildState]
+    stream: bool = False  # hand out deltas as they come, else one final output
     num_cached_tokens: int = 0
 
     @property
@@ -43,8 +47,10 @@ class OutputProcessor:
         self.child_to_parent: dict[str, str] = {}
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams) -> list[tuple[str, SamplingParams]]:
-        """Register a request; returns the (child id, params) pairs to send to the engine."""
+                    params: SamplingParams, stream: bool = False,
+                    arrival_time: float | None = None) -> list[tuple[str, SamplingParams]]:
+        """Register a request; returns the (child id, params) pairs to send to the engine.
+        An arrival_time turns on per-request timings for the metrics."""
         children: dict[str, ChildState] = {}
         pairs = []
         for i in range(params.n):
@@ -52,17 +58,21 @@ class OutputProcessor:
             cp = params.for_child(i) if params.n > 1 else params
             detok = IncrementalDetokenizer(self.tokenizer, cp.stop, cp.skip_special_tokens,
                                            cp.include_stop_str_in_output)
-            children[cid] = ChildState(i, cp, detok, logprobs=[] if cp.logprobs is not None else None,
-                                       cumulative_logprob=0.0 if cp.logprobs is not None else None)
+            children[cid] = ChildState(
+                i, cp, detok, logprobs=[] if cp.logprobs is not None else None,
+                cumulative_logprob=0.0 if cp.logprobs is not None else None,
+                stats=RequestStateStats(arrival_time) if arrival_time is not None else None)
             self.child_to_parent[cid] = request_id
             pairs.append((cid, cp))
-        self.states[request_id] = RequestState(request_id, prompt, prompt_token_ids, children)
+        self.states[request_id] = RequestState(request_id, prompt, prompt_token_ids, children, stream)
         return pairs
 
-    def process_outputs(self, outputs: list[EngineCoreOutput], stream: bool = False
+    def process_outputs(self, outputs: list[EngineCoreOutput],
+                        iteration_stats: IterationStats | None = None
                         ) -> tuple[list[RequestOutput], list[str]]:
         """Returns (request outputs to hand out, child ids the engine must stop:
-        their stop string was found here)."""
+        their stop string was found here). Fills iteration_stats when given."""
+        now = time.monotonic() if iteration_stats is not None else 0.0
         touched: dict[str, RequestState] = {}
         to_abort: list[str] = []
         for o in outputs:
@@ -86,14 +96,27 @@ class OutputProcessor:
                     to_abort.append(o.request_id)
             elif o.finish_reason is not None:
                 child.finish_reason, child.stop_reason = o.finish_reason, o.stop_reason
+            if child.stats is not None and iteration_stats is not None:
+                self._update_stats(child.stats, o, now, iteration_stats, child.finish_reason,
+                                   len(state.prompt_token_ids))
             touched[pid] = state
         results = []
         for pid, state in touched.items():
-            if stream or state.finished:
-                results.append(self._make_output(state, stream))
+            if state.stream or state.finished:
+                results.append(self._make_output(state, state.stream))
             if state.finished:
                 self._remove(pid)
         return results, to_abort
+
+    @staticmethod
+    def _update_stats(stats: RequestStateStats, o: EngineCoreOutput, now: float,
+                      iteration_stats: IterationStats, finish_reason: str | None,
+                      num_prompt_tokens: int) -> None:
+        if o.scheduled_ts:
+            stats.queued_ts, stats.scheduled_ts = o.queued_ts, o.scheduled_ts
+        stats.update(now, len(o.new_token_ids), iteration_stats, num_prompt_tokens)
+        if finish_reason is not None:
+            iteration_stats.finished.append(stats.finish(now, finish_reason, num_prompt_tokens))
 
     def _to_logprobs(self, tid: int, lp: tuple) -> dict[int, Logprob]:
         sampled_lp, rank, top = lp

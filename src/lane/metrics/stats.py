@@ -1,0 +1,77 @@
+"""What the metrics are made of (seed step 56), as vLLM v1 splits it:
+SchedulerStats come from the engine core with every output batch; IterationStats
+and per-request timings are gathered in the frontend as outputs arrive.
+
+All timestamps are time.monotonic(): CLOCK_MONOTONIC is one clock for every
+process on the machine, so engine and frontend times can be subtracted.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SchedulerStats:
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0  # fraction of blocks in use (cached-but-free blocks count as free)
+    # cumulative since start; the frontend turns them into counter increments
+    prefix_cache_queries: int = 0  # tokens looked up
+    prefix_cache_hits: int = 0  # tokens found
+    num_preemptions: int = 0
+
+
+@dataclass
+class FinishedRequestStats:
+    finish_reason: str
+    e2e_latency: float
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    queued_time: float
+    prefill_time: float
+    decode_time: float
+    inference_time: float
+
+
+@dataclass
+class IterationStats:
+    """One batch of outputs received from an engine."""
+    num_prompt_tokens: int = 0  # of requests that got their first token here
+    num_generation_tokens: int = 0
+    time_to_first_tokens: list[float] = field(default_factory=list)
+    inter_token_latencies: list[float] = field(default_factory=list)
+    finished: list[FinishedRequestStats] = field(default_factory=list)
+
+
+@dataclass
+class RequestStateStats:
+    """Timings of one engine request, kept by the frontend."""
+    arrival_time: float
+    queued_ts: float = 0.0  # engine: request entered the waiting queue
+    scheduled_ts: float = 0.0  # engine: first scheduled
+    first_token_ts: float = 0.0
+    last_token_ts: float = 0.0
+    num_generation_tokens: int = 0
+
+    def update(self, now: float, num_new: int, stats: IterationStats, num_prompt_tokens: int) -> None:
+        if num_new == 0:
+            return
+        if self.num_generation_tokens == 0:
+            self.first_token_ts = now
+            stats.time_to_first_tokens.append(now - self.arrival_time)
+            stats.num_prompt_tokens += num_prompt_tokens
+        else:
+            stats.inter_token_latencies.append(now - self.last_token_ts)
+        self.last_token_ts = now
+        self.num_generation_tokens += num_new
+        stats.num_generation_tokens += num_new
+
+    def finish(self, now: float, reason: str, num_prompt_tokens: int) -> FinishedRequestStats:
+        scheduled = self.scheduled_ts or self.first_token_ts or now
+        queued = self.queued_ts or self.arrival_time
+        first = self.first_token_ts or now
+        last = self.last_token_ts or now
+        return FinishedRequestStats(
+            reason, now - self.arrival_time, num_prompt_tokens, self.num_generation_tokens,
+            queued_time=max(scheduled - queued, 0.0), prefill_time=max(first - scheduled, 0.0),
+            decode_time=max(last - first, 0.0), inference_time=max(last - scheduled, 0.0))
