@@ -23,5 +23,13 @@ def configure_logging() -> None:
     root.propagate = False
 
 
+def configure_process_logging(process_name: str) -> None:
+    """Prefix a child process's log lines with its name and pid, as vLLM does
+    ("(EngineCore_DP0 pid=123) INFO ...")."""
+    fmt = logging.Formatter(f"({process_name} pid={os.getpid()}) {_FORMAT}", datefmt="%m-%d %H:%M:%S")
+    for handler in logging.getLogger("lane").handlers:
+        handler.setFormatter(fmt)
+
+
 def set_level(level: int | str) -> None:
     logging.getLogger("lane").setLevel(level)

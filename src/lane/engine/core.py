@@ -1,14 +1,25 @@
 """EngineCore: the scheduler, the KV manager and the worker, stepped in a loop
-(seed steps 8, 9, 14, 15-19, 35-37)."""
+(seed steps 8, 9, 14, 15-19, 35-37); EngineCoreProc runs it in its own process
+behind ZeroMQ with msgspec-encoded messages (lane serve)."""
 from __future__ import annotations
 
+import enum
 import logging
+import os
+import queue
+import signal
+import sys
+import threading
 import time
 from dataclasses import dataclass
+
+import msgspec
 
 from lane.config import EngineConfig
 from lane.core.request import Request, RequestStatus
 from lane.core.scheduler import EngineCoreOutput, Scheduler
+from lane.logger import configure_process_logging
+from lane.metrics.stats import SchedulerStats
 from lane.model_executor.layers import cpu_kernels
 from lane.sampling_params import SamplingParams
 from lane.worker.worker import Worker
@@ -53,18 +64,10 @@ class EngineCore:
         return self.config.model_config.max_model_len
 
     def add_request(self, req: EngineCoreRequest) -> None:
-        n = len(req.prompt_token_ids)
-        if n == 0:
-            raise ValueError("the prompt is empty")
-        if n > self.max_model_len:
-            raise ValueError(f"the prompt has {n} tokens, longer than the maximum model "
-                             f"length of {self.max_model_len}")
-        vocab = self.config.model_config.hf_config.vocab_size
-        if max(req.prompt_token_ids) >= vocab or min(req.prompt_token_ids) < 0:
-            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        """Queue a request the frontend's InputProcessor has validated (step 14)."""
         self.scheduler.add_request(Request(
             req.request_id, list(req.prompt_token_ids), req.sampling_params,
-            arrival_time=req.arrival_time or time.monotonic(), cache_salt=req.cache_salt))
+            arrival_time=time.monotonic(), cache_salt=req.cache_salt))
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -78,3 +81,127 @@ class EngineCore:
             return []
         sampled = self.worker.execute_model(sched)
         return self.scheduler.update_from_output(sched, sampled)
+
+
+# -- the engine-core process (lane serve) ------------------------------------------
+
+class EngineCoreRequestType(bytes, enum.Enum):
+    """First frame of a frontend -> engine message."""
+    ADD = b"\x00"
+    ABORT = b"\x01"
+
+
+class EngineCoreOutputType(bytes, enum.Enum):
+    """First frame of an engine -> frontend message."""
+    READY = b"\x00"
+    OUTPUTS = b"\x01"
+
+
+@dataclass
+class EngineReady:
+    engine_index: int
+    pid: int
+    num_gpu_blocks: int  # vLLM's name; blocks of the KV pool, the null block excluded
+    block_size: int
+    kv_cache_bytes: int
+    enable_prefix_caching: bool
+    threads: int
+
+
+@dataclass
+class EngineCoreOutputs:
+    engine_index: int
+    outputs: list[EngineCoreOutput]
+    scheduler_stats: SchedulerStats | None = None
+    timestamp: float = 0.0
+
+
+class EngineCoreProc:
+    """EngineCore in its own process, behind ZeroMQ (seed steps 9, 14): an input
+    thread decodes requests into a queue; the main thread runs the busy loop
+    (drain the queue, step, send outputs and scheduler stats)."""
+
+    def __init__(self, args, engine_index: int, input_address: str, output_address: str) -> None:
+        import zmq
+
+        self.engine_index = engine_index
+        self.parent_pid = os.getppid()
+        self.ctx = zmq.Context()
+        self.output_socket = self.ctx.socket(zmq.PUSH)
+        self.output_socket.connect(output_address)
+        self.encoder = msgspec.msgpack.Encoder()
+        self.input_queue: queue.Queue = queue.Queue()
+        config = args.create_engine_config()
+        self.core = EngineCore(config)
+        cc = config.cache_config
+        threading.Thread(target=self._read_inputs, args=(input_address,), daemon=True,
+                         name="EngineCoreInput").start()
+        self._send(EngineCoreOutputType.READY, EngineReady(
+            engine_index, os.getpid(), cc.num_blocks - 1, cc.block_size, self.core.kv_cache_bytes,
+            cc.enable_prefix_caching, self.core.worker.threads))
+        self._last_stats: SchedulerStats | None = None
+
+    def _read_inputs(self, address: str) -> None:
+        import zmq
+
+        sock = self.ctx.socket(zmq.PULL)
+        sock.connect(address)
+        add_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
+        abort_decoder = msgspec.msgpack.Decoder(list[str])
+        while True:
+            kind, payload = sock.recv_multipart(copy=False)
+            if kind.bytes == EngineCoreRequestType.ADD.value:
+                self.input_queue.put((EngineCoreRequestType.ADD, add_decoder.decode(payload.buffer)))
+            else:
+                self.input_queue.put((EngineCoreRequestType.ABORT, abort_decoder.decode(payload.buffer)))
+
+    def _send(self, kind: EngineCoreOutputType, obj) -> None:
+        self.output_socket.send_multipart((kind.value, self.encoder.encode(obj)), copy=False)
+
+    def _handle(self, kind: EngineCoreRequestType, payload) -> None:
+        if kind is EngineCoreRequestType.ADD:
+            self.core.add_request(payload)
+        else:
+            self.core.abort_requests(payload)
+
+    def run_busy_loop(self) -> None:
+        while True:
+            if not self.core.has_unfinished_requests():
+                # idle: block on the queue, waking now and then to see whether the frontend is gone
+                while True:
+                    try:
+                        self._handle(*self.input_queue.get(timeout=1.0))
+                        break
+                    except queue.Empty:
+                        if os.getppid() != self.parent_pid:
+                            logger.info("Frontend is gone; engine core %d exits", self.engine_index)
+                            return
+            while not self.input_queue.empty():
+                self._handle(*self.input_queue.get_nowait())
+            outputs = self.core.step()
+            stats = self.core.scheduler.make_stats()
+            if outputs or stats != self._last_stats:
+                self._send(EngineCoreOutputType.OUTPUTS, EngineCoreOutputs(
+                    self.engine_index, outputs, stats, time.monotonic()))
+                self._last_stats = stats
+
+
+def run_engine_core(args, engine_index: int, input_address: str, output_address: str,
+                    cpu_ids: list[int] | None = None) -> None:
+    """Entry point of an engine-core process (spawned by the frontend's core client)."""
+    configure_process_logging(f"EngineCore_DP{engine_index}")
+    # SIGTERM (from the frontend's shutdown or a user) ends the loop through SystemExit
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the frontend, which stops us
+    if cpu_ids:
+        os.sched_setaffinity(0, cpu_ids)
+    try:
+        EngineCoreProc(args, engine_index, input_address, output_address).run_busy_loop()
+    except SystemExit:
+        pass
+    except (ValueError, FileNotFoundError) as e:  # a configuration the engine cannot run
+        logger.error("Engine core %d cannot start: %s", engine_index, e)
+        sys.exit(1)
+    except BaseException:
+        logger.exception("Engine core %d died", engine_index)
+        sys.exit(1)

@@ -1,9 +1,11 @@
-"""The ``lane`` command: ``lane generate`` (more subcommands arrive with their issues)."""
+"""The ``lane`` command: ``lane generate``, ``lane serve``."""
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
+import signal
 import sys
 
 from lane.logger import set_level
@@ -34,6 +36,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory-bytes", type=parse_bytes, default=None,
                    help="KV cache budget (default: a quarter of free RAM, at most 4 GiB)")
     g.add_argument("--seed", type=int, default=0)
+
+
+def engine_args(args: argparse.Namespace, show_progress: bool = True):
+    from lane.config import EngineArgs
+
+    return EngineArgs(args.model, show_progress=show_progress, **engine_kwargs(args))
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -74,6 +82,35 @@ def cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     return 0
 
 
+def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    import asyncio
+
+    from lane.entrypoints.api_server import serve
+
+    if not 0 < args.port < 65536:
+        parser.error(f"--port must be in [1, 65535], got {args.port}")
+    if args.data_parallel_size < 1:
+        parser.error(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+    api_key = args.api_key or os.environ.get("LANE_API_KEY") or None
+    try:
+        eargs = engine_args(args)
+        eargs.create_model_config()  # a bad --model or --max-model-len fails here, with its flag
+    except (ValueError, FileNotFoundError, TypeError) as e:
+        parser.error(str(e))
+    # uvicorn traps SIGTERM, drains, then re-raises it at the handler found before it:
+    # make that one an orderly exit, so serve() still stops the engine processes
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        asyncio.run(serve(eargs, args.host, args.port, data_parallel_size=args.data_parallel_size,
+                          served_model_name=args.served_model_name, api_key=api_key))
+    except KeyboardInterrupt:
+        pass
+    except (RuntimeError, TimeoutError, ValueError) as e:
+        print(f"lane serve: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lane", description="lane: an LLM serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -91,9 +128,27 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--quiet", action="store_true", help="no progress bars or start-up log, only warnings")
     add_engine_args(gen)
+
+    srv = sub.add_parser("serve", help="start the OpenAI-compatible API server")
+    srv.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                     help="model (same as --model), as `vllm serve MODEL` takes it")
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--served-model-name", nargs="+", default=None,
+                     help="names the API accepts for the model (default: the model's file or directory name)")
+    srv.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                     help="engine-core replicas, each its own process, behind a load balancer")
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set LANE_API_KEY)")
+    add_engine_args(srv)
     args = parser.parse_args(argv)
     if args.command == "generate":
         return cmd_generate(args, gen)
+    if args.command == "serve":
+        if args.model_tag is not None:
+            if args.model is not None and args.model != args.model_tag:
+                srv.error("give the model either as MODEL or as --model, not both")
+            args.model = args.model_tag
+        return cmd_serve(args, srv)
     return 2
 
 

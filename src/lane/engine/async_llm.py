@@ -1,0 +1,165 @@
+"""AsyncLLM: the API server's engine (vLLM's AsyncLLM). Tokenisation, chat
+templates and detokenisation run here, in the frontend process; the engine cores
+run in their own processes behind AsyncMPClient (seed steps 10-14, 37-40, 50, 56).
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from prometheus_client import CollectorRegistry
+
+from lane.config import EngineArgs
+from lane.engine.core import EngineCoreOutputs, EngineCoreRequest
+from lane.engine.core_client import AsyncMPClient, EngineDeadError
+from lane.engine.output_processor import OutputProcessor
+from lane.engine.processor import InputProcessor
+from lane.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
+from lane.metrics.stats import IterationStats
+from lane.outputs import RequestOutput
+from lane.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def default_served_name(model: str | None, model_config) -> str:
+    """As vLLM: the --model argument as given; the embedded default is named by its model."""
+    if model is not None:
+        return model
+    return model_config.short_name.split(".")[0]
+
+
+@dataclass
+class RequestStream:
+    """What a request handler holds: the engine it went to and its outputs as they come."""
+    request_id: str
+    engine_index: int
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    finished: bool = False
+
+
+class AsyncLLM:
+    def __init__(self, args: EngineArgs, data_parallel_size: int = 1, served_model_name: str | None = None,
+                 log_stats_interval_s: float = 5.0) -> None:
+        self.args = args
+        self.model_config = args.create_model_config()
+        self.served_model_name = served_model_name or default_served_name(args.model, self.model_config)
+        self.tokenizer = self.model_config.get_tokenizer()
+        self.processor = InputProcessor(self.model_config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.client = AsyncMPClient(args, data_parallel_size, self._on_outputs, self._on_engine_dead)
+        self.registry = CollectorRegistry()
+        self.prometheus = PrometheusStatLogger(self.served_model_name, data_parallel_size, self.registry)
+        self.log_stats = [LoggingStatLogger(i) for i in range(data_parallel_size)]
+        self.log_stats_interval_s = log_stats_interval_s
+        self.streams: dict[str, RequestStream] = {}
+        self._ids = itertools.count()
+        self._log_task: asyncio.Task | None = None
+
+    @property
+    def max_model_len(self) -> int:
+        return self.model_config.max_model_len
+
+    async def start(self) -> None:
+        await self.client.start()
+        for r in self.client.ready:
+            self.prometheus.log_engine_initialized(
+                r.engine_index, r.block_size, r.num_gpu_blocks, r.enable_prefix_caching,
+                str(self.model_config.dtype).removeprefix("torch."), r.kv_cache_bytes)
+        if self.log_stats_interval_s > 0:
+            self._log_task = asyncio.create_task(self._log_loop(), name="log-stats")
+
+    async def _log_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.log_stats_interval_s)
+            for stat_logger in self.log_stats:
+                stat_logger.log()
+
+    def shutdown(self) -> None:
+        if self._log_task is not None:
+            self._log_task.cancel()
+        self.client.shutdown()
+
+    @property
+    def is_healthy(self) -> bool:
+        return self.client.all_alive
+
+    # -- requests --------------------------------------------------------------
+    def new_request_id(self, prefix: str) -> str:
+        return f"{prefix}-{next(self._ids)}-{time.time_ns() % 10**9:09d}"
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams, stream: bool, data_parallel_rank: int | None = None
+                    ) -> RequestStream:
+        """Send a validated request to an engine (the balancer's pick, or the pinned rank)."""
+        if not self.is_healthy:
+            raise EngineDeadError("an engine core is not running")
+        engine = self.client.choose_engine(data_parallel_rank, params.n)
+        handle = RequestStream(request_id, engine)
+        pairs = self.output_processor.add_request(request_id, prompt, prompt_token_ids, params, stream,
+                                                  arrival_time=time.monotonic())
+        self.streams[request_id] = handle
+        try:
+            for cid, cp in pairs:
+                self.client.add_request(engine, EngineCoreRequest(cid, prompt_token_ids, cp))
+        except Exception:
+            self.abort(request_id)
+            raise
+        logger.debug("Added request %s to engine %d", request_id, engine)
+        return handle
+
+    async def outputs(self, handle: RequestStream) -> AsyncIterator[RequestOutput]:
+        """The request's outputs until it finishes. Leaving early (a client that went
+        away, a cancelled task) aborts it, and the engine frees its KV blocks."""
+        try:
+            while True:
+                item = await handle.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finished:
+                    handle.finished = True
+                yield item
+                if handle.finished:
+                    return
+        finally:
+            if not handle.finished:
+                self.abort(handle.request_id)
+
+    def abort(self, request_id: str) -> None:
+        handle = self.streams.pop(request_id, None)
+        child_ids = self.output_processor.abort(request_id)
+        if handle is not None and child_ids:
+            try:
+                self.client.abort_requests(handle.engine_index, child_ids)
+            except Exception:  # the engine is gone: nothing to free
+                pass
+            logger.debug("Aborted request %s", request_id)
+
+    # -- engine callbacks ------------------------------------------------------
+    def _on_outputs(self, outs: EngineCoreOutputs) -> None:
+        iteration_stats = IterationStats()
+        request_outputs, to_abort = self.output_processor.process_outputs(outs.outputs, iteration_stats)
+        for ro in request_outputs:
+            handle = self.streams.get(ro.request_id)
+            if handle is None:
+                continue
+            handle.queue.put_nowait(ro)
+            if ro.finished:
+                del self.streams[ro.request_id]
+        if to_abort:  # stop strings found by the detokenizer
+            self.client.abort_requests(outs.engine_index, to_abort)
+        self.prometheus.record(outs.engine_index, outs.scheduler_stats, iteration_stats)
+        self.log_stats[outs.engine_index].record(outs.scheduler_stats, iteration_stats)
+
+    def _on_engine_dead(self, engine_index: int, exitcode: int | None) -> None:
+        err = EngineDeadError(f"engine core {engine_index} died (exit code {exitcode}); "
+                              f"the request cannot finish")
+        for rid, handle in list(self.streams.items()):
+            if handle.engine_index == engine_index:
+                self.output_processor.abort(rid)
+                del self.streams[rid]
+                handle.queue.put_nowait(err)

@@ -1,0 +1,336 @@
+"""The OpenAI completions and chat completions handlers (seed steps 10-12, 38-40, 50):
+request -> token ids and SamplingParams -> AsyncLLM -> JSON or SSE chunks."""
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from typing import Any, AsyncIterator, Awaitable
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+
+from lane.engine.async_llm import AsyncLLM, RequestStream
+from lane.engine.core_client import EngineDeadError
+from lane.entrypoints.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
+                                       ChatCompletionResponse, ChatLogprobs, ChatLogprobToken,
+                                       ChatResponseMessage, CompletionChoice,
+                                       CompletionLogprobs, CompletionRequest, CompletionResponse,
+                                       ErrorInfo, ErrorResponse, SamplingRequest,
+                                       TopLogprob, UsageInfo)
+from lane.outputs import CompletionOutput, RequestOutput
+from lane.sampling_params import ParamError, SamplingParams
+
+
+class APIError(Exception):
+    """An error that becomes an OpenAI-style error body with this status."""
+
+    def __init__(self, status: int, message: str, type_: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type_, param
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(self.status, self.message, self.type, self.param), self.status)
+
+
+def error_body(status: int, message: str, type_: str, param: str | None = None) -> dict:
+    return ErrorResponse(error=ErrorInfo(message=message, type=type_, param=param, code=status)).model_dump()
+
+
+def bad_request(e: ValueError) -> APIError:
+    return APIError(400, str(e), "BadRequestError", getattr(e, "param", None))
+
+
+def engine_error(e: Exception) -> APIError:
+    """A request that was running when its engine failed."""
+    return APIError(500, str(e), "InternalServerError")
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several requests' outputs (a completion with a list of prompts)."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    q: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, it: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in it:
+                q.put_nowait((i, out))
+            q.put_nowait((i, done))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer
+            q.put_nowait((i, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await q.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def until_disconnected(raw_request: Request, work: Awaitable):
+    """Run work, unless the client goes away first (then it is cancelled, which aborts
+    its requests and frees their KV blocks); returns None in that case."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await raw_request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():  # the client left (or this handler was cancelled)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    return task.result() if not task.cancelled() else None
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str]) -> None:
+        self.engine = engine
+        self.served_model_names = served_model_names
+        self.tokenizer = engine.tokenizer
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.served_model_names:
+            raise APIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+
+    def _params(self, ids: list[int], request: SamplingRequest) -> SamplingParams:
+        params = request.to_sampling_params(self.engine.max_model_len, len(ids))
+        self.engine.processor.validate(ids, params, strict_max_tokens=True)
+        return params
+
+    def _start(self, prefix: str, prompts: list[tuple[str | None, list[int]]], request: SamplingRequest
+               ) -> tuple[str, list[RequestStream], int]:
+        """Validate every prompt, then send them; returns (response id, handles, n)."""
+        try:
+            params = [self._params(ids, request) for _, ids in prompts]
+        except ValueError as e:
+            raise bad_request(e) from None
+        rid = f"{prefix}-{uuid.uuid4().hex}"
+        handles = []
+        try:
+            for i, ((text, ids), sp) in enumerate(zip(prompts, params)):
+                sub_id = rid if len(prompts) == 1 else f"{rid}-{i}"
+                handles.append(self.engine.add_request(sub_id, text, ids, sp, request.stream,
+                                                       request.data_parallel_rank))
+        except (ValueError, RuntimeError) as e:
+            for h in handles:
+                self.engine.abort(h.request_id)
+            if isinstance(e, EngineDeadError):
+                raise APIError(503, str(e), "ServiceUnavailableError") from None
+            if isinstance(e, ValueError):
+                raise APIError(400, str(e), "BadRequestError", "data_parallel_rank") from None
+            raise APIError(503, str(e), "ServiceUnavailableError") from None
+        return rid, handles, params[0].n
+
+    @staticmethod
+    def _headers(handles: list[RequestStream]) -> dict[str, str]:
+        # which data-parallel replica served it (the balancer's choice, step 13)
+        return {"X-Data-Parallel-Rank": ",".join(str(h.engine_index) for h in handles)}
+
+    async def _collect(self, handles: list[RequestStream]) -> list[RequestOutput]:
+        finals: list[RequestOutput | None] = [None] * len(handles)
+        async for i, out in merge([self.engine.outputs(h) for h in handles]):
+            finals[i] = out
+        return finals  # type: ignore[return-value]
+
+    @staticmethod
+    def _usage(finals: list[RequestOutput]) -> UsageInfo:
+        prompt = sum(len(r.prompt_token_ids) for r in finals)
+        completion = sum(len(c.token_ids) for r in finals for c in r.outputs)
+        cached = sum(r.num_cached_tokens for r in finals)
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                         prompt_tokens_details={"cached_tokens": cached})
+
+    # -- logprobs ----------------------------------------------------------------
+    def _token_str(self, tid: int) -> str:
+        return self.tokenizer.decode([tid])
+
+    def _completion_logprobs(self, c: CompletionOutput, num: int, offset: int) -> CompletionLogprobs:
+        lp = CompletionLogprobs()
+        for tid, entry in zip(c.token_ids, c.logprobs or []):
+            tok = self._token_str(tid)
+            lp.tokens.append(tok)
+            lp.token_logprobs.append(entry[tid].logprob)
+            lp.top_logprobs.append({self._token_str(t): v.logprob for t, v in entry.items()
+                                    if t == tid or (v.rank is not None and v.rank <= num)})
+            lp.text_offset.append(offset)
+            offset += len(tok)
+        return lp
+
+    def _chat_logprobs(self, c: CompletionOutput, num: int) -> ChatLogprobs:
+        content = []
+        for tid, entry in zip(c.token_ids, c.logprobs or []):
+            tok = self._token_str(tid)
+            tops = sorted(((t, v) for t, v in entry.items() if v.rank is not None and v.rank <= num),
+                          key=lambda tv: tv[1].rank)
+            content.append(ChatLogprobToken(
+                token=tok, logprob=entry[tid].logprob, bytes=list(tok.encode()),
+                top_logprobs=[TopLogprob(token=(s := self._token_str(t)), logprob=v.logprob,
+                                         bytes=list(s.encode())) for t, v in tops]))
+        return ChatLogprobs(content=content)
+
+    # -- /v1/completions -----------------------------------------------------------
+    def _completion_prompts(self, request: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+        p = request.prompt
+        if isinstance(p, str):
+            p = [p]
+        if not p:
+            raise APIError(400, "the prompt is empty", "BadRequestError", "prompt")
+        if isinstance(p[0], int):
+            return [(None, list(p))]
+        out = []
+        for item in p:
+            if isinstance(item, str):
+                out.append((item, self.tokenizer.encode(item, add_special_tokens=request.add_special_tokens)))
+            else:
+                out.append((None, list(item)))
+        return out
+
+    async def create_completion(self, request: CompletionRequest, raw_request: Request):
+        self.check_model(request.model)
+        prompts = self._completion_prompts(request)
+        rid, handles, n = self._start("cmpl", prompts, request)
+        model = request.model or self.served_model_names[0]
+        echo = [(t if t is not None else self.tokenizer.decode(ids)) if request.echo else ""
+                for t, ids in prompts]
+        num_lp = request.logprobs or 0
+        if request.stream:
+            return StreamingResponse(self._stream_completion(rid, model, handles, n, echo, request, num_lp),
+                                     media_type="text/event-stream", headers=self._headers(handles))
+        try:
+            finals = await until_disconnected(raw_request, self._collect(handles))
+        except Exception as e:
+            raise engine_error(e) from None
+        if finals is None:
+            return None
+        choices = []
+        for i, r in enumerate(finals):
+            for c in r.outputs:
+                choices.append(CompletionChoice(
+                    index=i * n + c.index, text=echo[i] + c.text, finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
+                    logprobs=self._completion_logprobs(c, num_lp, len(echo[i]))
+                    if request.logprobs is not None else None))
+        resp = CompletionResponse(id=rid, model=model, choices=choices, usage=self._usage(finals))
+        return JSONResponse(resp.model_dump(), headers=self._headers(handles))
+
+    async def _stream_completion(self, rid: str, model: str, handles: list[RequestStream], n: int,
+                                 echo: list[str], request: CompletionRequest, num_lp: int) -> AsyncIterator[str]:
+        offsets = {}
+        finals: list[RequestOutput | None] = [None] * len(handles)
+        tokens = [[0] * n for _ in handles]
+        base = CompletionResponse(id=rid, model=model, choices=[]).model_dump(exclude={"usage"})
+        try:
+            async for i, out in merge([self.engine.outputs(h) for h in handles]):
+                finals[i] = out
+                choices = []
+                for c in out.outputs:
+                    idx = i * n + c.index
+                    tokens[i][c.index] += len(c.token_ids)
+                    first = idx not in offsets
+                    text = (echo[i] if first else "") + c.text
+                    # tokens whose text is held back (half a UTF-8 character, a possible stop
+                    # string) wait for the next chunk, unless their logprobs must go now
+                    if not text and c.finish_reason is None and (request.logprobs is None or not c.token_ids):
+                        continue
+                    offset = offsets.get(idx, 0)
+                    lp = (self._completion_logprobs(c, num_lp, offset + len(text) - len(c.text)).model_dump()
+                          if request.logprobs is not None else None)
+                    offsets[idx] = offset + len(text)
+                    choices.append({"index": idx, "text": text, "logprobs": lp,
+                                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                if choices:
+                    yield sse({**base, "choices": choices})
+            if request.stream_options and request.stream_options.include_usage:
+                prompt = sum(len(r.prompt_token_ids) for r in finals if r)
+                completion = sum(map(sum, tokens))
+                yield sse({**base, "choices": [], "usage": UsageInfo(
+                    prompt_tokens=prompt, completion_tokens=completion,
+                    total_tokens=prompt + completion).model_dump(exclude_none=True)})
+        except Exception as e:  # an engine died mid-stream: say so in the stream
+            yield sse(error_body(500, str(e), "InternalServerError"))
+        yield "data: [DONE]\n\n"
+
+    # -- /v1/chat/completions ------------------------------------------------------
+    async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request):
+        self.check_model(request.model)
+        try:
+            conversation = request.conversation()
+            ids = self.engine.processor.apply_chat_template(
+                conversation, request.add_generation_prompt, request.chat_template)
+        except ParamError as e:
+            raise bad_request(e) from None
+        except Exception as e:  # a template that fails on these messages
+            raise APIError(400, f"the chat template failed: {e}", "BadRequestError", "messages") from None
+        rid, handles, n = self._start("chatcmpl", [(None, ids)], request)
+        model = request.model or self.served_model_names[0]
+        num_lp = request.top_logprobs or 0
+        if request.stream:
+            return StreamingResponse(self._stream_chat(rid, model, handles[0], n, request, num_lp),
+                                     media_type="text/event-stream", headers=self._headers(handles))
+        try:
+            finals = await until_disconnected(raw_request, self._collect(handles))
+        except Exception as e:
+            raise engine_error(e) from None
+        if finals is None:
+            return None
+        choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
+                              finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                              logprobs=self._chat_logprobs(c, num_lp) if request.logprobs else None)
+                   for c in finals[0].outputs]
+        resp = ChatCompletionResponse(id=rid, model=model, choices=choices, usage=self._usage(finals))
+        return JSONResponse(resp.model_dump(), headers=self._headers(handles))
+
+    async def _stream_chat(self, rid: str, model: str, handle: RequestStream, n: int,
+                           request: ChatCompletionRequest, num_lp: int) -> AsyncIterator[str]:
+        base = ChatCompletionChunk(id=rid, model=model, choices=[]).model_dump(exclude={"usage"})
+        finished: set[int] = set()
+        completion_tokens = 0
+        final: RequestOutput | None = None
+        try:
+            yield sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                            "logprobs": None, "finish_reason": None} for i in range(n)]})
+            async for _, out in merge([self.engine.outputs(handle)]):
+                final = out
+                choices = []
+                for c in out.outputs:
+                    completion_tokens += len(c.token_ids)
+                    if c.index in finished or (not c.text and c.finish_reason is None
+                                               and (not request.logprobs or not c.token_ids)):
+                        continue
+                    if c.finish_reason is not None:
+                        finished.add(c.index)
+                    choices.append({
+                        "index": c.index, "delta": {"content": c.text},
+                        "logprobs": self._chat_logprobs(c, num_lp).model_dump() if request.logprobs else None,
+                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                if choices:
+                    yield sse({**base, "choices": choices})
+            if request.stream_options and request.stream_options.include_usage and final is not None:
+                prompt = len(final.prompt_token_ids)
+                yield sse({**base, "choices": [], "usage": UsageInfo(
+                    prompt_tokens=prompt, completion_tokens=completion_tokens,
+                    total_tokens=prompt + completion_tokens).model_dump(exclude_none=True)})
+        except Exception as e:
+            yield sse(error_body(500, str(e), "InternalServerError"))
+        yield "data: [DONE]\n\n"
