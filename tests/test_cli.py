@@ -43,3 +43,27 @@ def test_bad_input_is_a_clear_error(args, needle):
     assert r.returncode == 2
     assert needle in r.stderr
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--port", "0"], "--port"),
+    (["--data-parallel-size", "0"], "--data-parallel-size"),
+    (["--model", "/no/such/model"], "does not exist"),
+    (["--max-model-len", "100000"], "--max-model-len"),
+    (["/no/such/dir", "--model", "/other"], "either as MODEL or as --model"),
+])
+def test_serve_bad_flags_are_clear_errors(args, needle):
+    r = run("serve", *args, timeout=120)
+    assert r.returncode == 2
+    assert needle in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_serve_engine_start_failure_is_reported():
+    # a KV budget too small for one max-length request: the engine process fails, the
+    # server says so and exits (no hang, no traceback from the frontend)
+    r = run("serve", "--dtype", "float32", "--kv-cache-memory-bytes", "1M", "--port", "1", timeout=300)
+    assert r.returncode == 1
+    assert "engine core 0 failed to start" in r.stderr
+    assert "raise --kv-cache-memory-bytes" in r.stderr
+    assert "Traceback" not in r.stderr

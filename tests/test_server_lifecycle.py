@@ -1,0 +1,103 @@
+"""`lane serve` with two data-parallel replicas and an API key; an engine that dies;
+SIGTERM."""
+import asyncio
+import os
+import signal
+import time
+
+import httpx2 as httpx
+import openai
+import pytest
+
+from lane import SamplingParams
+from conftest import PROMPTS
+from utils import RemoteServer, metric
+
+ARGS = ["--dtype", "float32", "--kv-cache-memory-bytes", "128M", "--max-model-len", "1024"]
+
+
+def test_data_parallel_spreads_requests_and_keeps_outputs(lane_smollm_fp32):
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} [{i}]" for i in range(12)]
+    want = [o.outputs[0].text for o in lane_smollm_fp32.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)]
+    with RemoteServer([*ARGS, "--data-parallel-size", "2", "--api-key", "sekrit"], api_key="sekrit") as s:
+        assert len(s.engine_pids()) == 2
+        # the key is required on /v1 (401 with an OpenAI-style body), not on /health
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "hi"})
+        assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "hi"}, headers={"Authorization": "Bearer nope"})
+        assert r.status_code == 401
+        assert httpx.get(s.url + "/health").status_code == 200
+
+        async def one(prompt):
+            async with httpx.AsyncClient(timeout=120) as h:
+                r = await h.post(s.url + "/v1/completions", headers={"Authorization": "Bearer sekrit"},
+                                 json={"prompt": prompt, "max_tokens": 12, "temperature": 0})
+                return r.headers["x-data-parallel-rank"], r.json()["choices"][0]["text"]
+
+        async def run():
+            return await asyncio.gather(*(one(p) for p in prompts))
+
+        results = asyncio.run(run())
+        assert [text for _, text in results] == want
+        ranks = [rank for rank, _ in results]
+        assert ranks.count("0") >= 3 and ranks.count("1") >= 3, ranks
+        text = httpx.get(s.url + "/metrics").text
+        assert metric(text, "vllm:prompt_tokens_total", engine="0") > 0
+        assert metric(text, "vllm:prompt_tokens_total", engine="1") > 0
+        # a pinned request goes where it is told
+        c = s.client()
+        pinned = c.completions.with_raw_response.create(model=c.models.list().data[0].id, prompt="Hello",
+                                                        max_tokens=2, extra_body={"data_parallel_rank": 1})
+        assert pinned.headers["x-data-parallel-rank"] == "1"
+        r = httpx.post(s.url + "/v1/completions", headers={"Authorization": "Bearer sekrit"},
+                       json={"prompt": "hi", "data_parallel_rank": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "data_parallel_rank"
+
+
+def test_engine_death_fails_requests_and_health_then_sigterm_is_clean():
+    with RemoteServer(ARGS) as s:
+        (pid,) = s.engine_pids()
+        c = s.client(timeout=30)
+        model = c.models.list().data[0].id
+        stream = c.completions.create(model=model, prompt="Once upon a time", max_tokens=900,
+                                      extra_body={"ignore_eos": True}, stream=True)
+        next(iter(stream))  # the request is running
+        t0 = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(openai.APIError, match="died"):
+            for _ in stream:
+                pass
+        assert time.monotonic() - t0 < 10
+        deadline = time.monotonic() + 10
+        while httpx.get(s.url + "/health").status_code != 503:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        # new work is refused at once, not left hanging
+        with pytest.raises(openai.APIStatusError) as e:
+            c.completions.create(model=model, prompt="hi", max_tokens=2)
+        assert e.value.status_code == 503
+        t0 = time.monotonic()
+        assert s.stop() == 0
+        assert time.monotonic() - t0 < 15
+
+
+def test_sigterm_stops_server_and_engines():
+    with RemoteServer(ARGS) as s:
+        pids = s.engine_pids()
+        assert s.stop() == 0
+        for pid in pids:
+            deadline = time.monotonic() + 5
+            while _alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not _alive(pid)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie still answers kill(0); it has exited all the same
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(")")[-1].split()[0] != "Z"
