@@ -227,6 +227,9 @@ def test_disconnect_frees_kv_blocks(server):
         assert metric(text, "vllm:num_requests_running") == 4
         for s in streams:
             s.__exit__(None, None, None)
+    # a non-streaming client that gives up (read timeout) is noticed too
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json={**body, "stream": False}, timeout=2)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         text = httpx.get(server.url + "/metrics").text

@@ -147,11 +147,18 @@ class OpenAIServing:
         # which data-parallel replica served it (the balancer's choice, step 13)
         return {"X-Data-Parallel-Rank": ",".join(str(h.engine_index) for h in handles)}
 
-    async def _collect(self, handles: list[RequestStream]) -> list[RequestOutput]:
-        finals: list[RequestOutput | None] = [None] * len(handles)
-        async for i, out in merge([self.engine.outputs(h) for h in handles]):
-            finals[i] = out
-        return finals  # type: ignore[return-value]
+    async def _finals(self, raw_request: Request, handles: list[RequestStream]) -> list[RequestOutput] | None:
+        """Every request's final output; None if the client disconnected first."""
+        async def collect() -> list[RequestOutput]:
+            finals: list[RequestOutput | None] = [None] * len(handles)
+            async for i, out in merge([self.engine.outputs(h) for h in handles]):
+                finals[i] = out
+            return finals  # type: ignore[return-value]
+
+        try:
+            return await until_disconnected(raw_request, collect())
+        except Exception as e:
+            raise engine_error(e) from None
 
     @staticmethod
     def _usage(finals: list[RequestOutput]) -> UsageInfo:
@@ -217,11 +224,8 @@ class OpenAIServing:
         if request.stream:
             return StreamingResponse(self._stream_completion(rid, model, handles, n, echo, request, num_lp),
                                      media_type="text/event-stream", headers=self._headers(handles))
-        try:
-            finals = await until_disconnected(raw_request, self._collect(handles))
-        except Exception as e:
-            raise engine_error(e) from None
-        if finals is None:
+        finals = await self._finals(raw_request, handles)
+        if finals is None:  # the client went away; its requests were aborted
             return None
         choices = []
         for i, r in enumerate(finals):
@@ -288,11 +292,8 @@ class OpenAIServing:
         if request.stream:
             return StreamingResponse(self._stream_chat(rid, model, handles[0], n, request, num_lp),
                                      media_type="text/event-stream", headers=self._headers(handles))
-        try:
-            finals = await until_disconnected(raw_request, self._collect(handles))
-        except Exception as e:
-            raise engine_error(e) from None
-        if finals is None:
+        finals = await self._finals(raw_request, handles)
+        if finals is None:  # the client went away; its requests were aborted
             return None
         choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
                               finish_reason=c.finish_reason, stop_reason=c.stop_reason,
