@@ -1,4 +1,4 @@
-"""The ``lane`` command: ``lane generate``, ``lane serve``."""
+"""The ``lane`` command: ``lane generate``, ``lane serve``, ``lane bench``."""
 from __future__ import annotations
 
 import argparse
@@ -111,7 +111,28 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
+def cmd_bench_compare(argv: list[str]) -> int:
+    from lane.bench.report import compare
+
+    p = argparse.ArgumentParser(prog="lane bench compare",
+                                description="two benchmark runs side by side (lane bench or vllm bench JSON)")
+    p.add_argument("run_a")
+    p.add_argument("run_b")
+    args = p.parse_args(argv)
+    for path in (args.run_a, args.run_b):
+        if not os.path.isfile(path):
+            p.error(f"{path!r} is not a file")
+    try:
+        print(compare(args.run_a, args.run_b))
+    except ValueError as e:  # not JSON
+        p.error(str(e))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["bench", "compare"]:
+        return cmd_bench_compare(argv[2:])
     parser = argparse.ArgumentParser(prog="lane", description="lane: an LLM serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text for one prompt, streamed to the terminal")
@@ -140,6 +161,12 @@ def main(argv: list[str] | None = None) -> int:
                      help="engine-core replicas, each its own process, behind a load balancer")
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set LANE_API_KEY)")
     add_engine_args(srv)
+
+    from lane.bench.benchmark import add_cli_args as add_bench_args
+
+    bench = sub.add_parser("bench", help="benchmark an OpenAI-compatible server (vllm bench serve's flags); "
+                                         "`lane bench compare A.json B.json` compares two runs")
+    add_bench_args(bench)
     args = parser.parse_args(argv)
     if args.command == "generate":
         return cmd_generate(args, gen)
@@ -149,6 +176,10 @@ def main(argv: list[str] | None = None) -> int:
                 srv.error("give the model either as MODEL or as --model, not both")
             args.model = args.model_tag
         return cmd_serve(args, srv)
+    if args.command == "bench":
+        from lane.bench.benchmark import main as bench_main
+
+        return bench_main(args, bench)
     return 2
 
 

@@ -36,6 +36,7 @@ def build() -> bool:
         from torch.utils.cpp_extension import load
 
         t0 = time.perf_counter()
+        logger.info("Loading the CPU kernels (compiled on first use on this machine: about a minute then)")
         _ext = load(name="lane_cpu_kernels", sources=_SOURCES,
                     extra_cflags=["-O3", "-march=native", "-ffast-math", "-mprefer-vector-width=512", "-fopenmp"],
                     extra_ldflags=["-fopenmp"], verbose=False)
