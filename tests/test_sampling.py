@@ -74,6 +74,22 @@ def test_sampler_unit_min_p_and_penalty_math():
     assert sample(logits, md).token_ids == [1]  # 2/4 = 0.5 < 1.0
 
 
+def test_sampler_draws_from_the_distribution():
+    # p = [0.5, 0.3, 0.2, 0] at temperature 1; 40,000 rows, one draw each
+    probs = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    logits = probs.clamp(min=1e-30).log().expand(40000, 4).clone()
+    logits[:, 3] = float("-inf")
+    md = SamplingMetadata(temperature=torch.ones(40000), all_greedy=False, num_logprobs=[None] * 40000)
+    freq = torch.bincount(torch.tensor(sample(logits, md).token_ids), minlength=4) / 40000
+    assert freq[3] == 0
+    assert torch.allclose(freq[:3], probs[:3], atol=0.015), freq
+    # a seeded row draws the same token whatever the rest of the batch is
+    gen = lambda: {0: torch.Generator().manual_seed(5)}  # noqa: E731
+    one = sample(logits[:1], SamplingMetadata(torch.ones(1), False, generators=gen(), num_logprobs=[None]))
+    many = sample(logits[:64], SamplingMetadata(torch.ones(64), False, generators=gen(), num_logprobs=[None] * 64))
+    assert one.token_ids[0] == many.token_ids[0]
+
+
 @pytest.mark.parametrize("kw, field", [
     (dict(temperature=-0.5), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
     (dict(top_k=-3), "top_k"), (dict(n=0), "n"), (dict(max_tokens=0), "max_tokens"),

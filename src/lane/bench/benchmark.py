@@ -51,6 +51,11 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-warmups", type=int, default=0)
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("sampling (not sent unless given: the server's defaults apply, as in vllm bench)")
+    g.add_argument("--temperature", type=float, default=None)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--min-p", type=float, default=None)
     g = p.add_argument_group("results")
     g.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el")
     g.add_argument("--metric-percentiles", default="50,75,90,99")
@@ -168,8 +173,10 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     shared = shared_prefix_lengths([tok.encode(s.prompt) for s in samples])
 
     before = server_metrics.scrape(base_url, headers)
+    sampling = {k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p),
+                                  ("top_k", args.top_k), ("min_p", args.min_p)) if v is not None}
     cfg = LoadConfig(base_url, model, endpoint, args.request_rate, args.max_concurrency, args.num_warmups,
-                     args.ignore_eos, args.seed, args.request_timeout, headers,
+                     args.ignore_eos, args.seed, args.request_timeout, headers, extra_body=sampling,
                      show_progress=not args.disable_tqdm)
     started = time.time()
     outputs, duration = asyncio.run(run_load(cfg, samples))

@@ -43,7 +43,7 @@ class RequestOutput:
 
 
 def build_body(req: RequestInput) -> dict:
-    body = {"model": req.model, "max_tokens": req.max_tokens, "temperature": 0.0, "stream": True,
+    body = {"model": req.model, "max_tokens": req.max_tokens, "stream": True,
             "stream_options": {"include_usage": True}, **req.extra_body}
     if req.ignore_eos:
         body["ignore_eos"] = True
