@@ -83,6 +83,19 @@ def test_chat_paris_and_matches_offline(client, lane_smollm_fp32):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == r.choices[0].finish_reason
 
 
+def test_per_request_timing_when_asked(client):
+    r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, temperature=0,
+                                  extra_body={"ignore_eos": True, "return_timing": True})
+    t = r.model_extra["timing"]
+    assert set(t) == {"queue_ms", "prefill_ms", "decode_ms", "ttft_ms", "e2e_ms", "mean_itl_ms"}
+    assert 0 < t["ttft_ms"] <= t["e2e_ms"] and t["decode_ms"] > 0
+    assert t["mean_itl_ms"] == pytest.approx(t["decode_ms"] / 5, rel=1e-3)
+    assert "timing" not in client.completions.create(model=MODEL, prompt="Hi", max_tokens=2).model_extra
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                                 max_tokens=4, stream=True, extra_body={"return_timing": True}))
+    assert chunks[-1].choices == [] and chunks[-1].model_extra["timing"]["ttft_ms"] > 0
+
+
 def test_stop_strings_never_leak(client):
     full = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=24,
                                      temperature=0).choices[0].text

@@ -193,6 +193,8 @@ class EngineArgs:
     seed: int = 0
     threads: int | None = None
     show_progress: bool = True
+    enable_tracing: bool = False  # record the seed's steps as spans (lane serve --trace)
+    trace_layers: bool = False  # one span per layer, not per forward
 
     def create_model_config(self) -> ModelConfig:
         return ModelConfig(self.model, dtype=self.dtype, max_model_len=self.max_model_len, seed=self.seed)

@@ -47,6 +47,7 @@ class Request:
     num_cached_tokens: int = -1  # prefix-cache hit at first schedule (-1: not yet)
     num_preemptions: int = 0
     scheduled_ts: float = 0.0  # monotonic time it was first scheduled
+    num_chunks: int = 0  # prefill slices after the first (for traces)
     stop_reason: int | str | None = None
     # chained hashes of this request's full blocks, grown as tokens arrive
     block_hashes: list[bytes] = field(default_factory=list)

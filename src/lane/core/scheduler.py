@@ -17,6 +17,7 @@ from lane.config import CacheConfig, SchedulerConfig
 from lane.core.kv_cache_manager import KVCacheManager
 from lane.core.request import Request, RequestStatus
 from lane.metrics.stats import SchedulerStats
+from lane.tracing import tracer
 
 
 @dataclass
@@ -106,6 +107,7 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
+            t_alloc = time.monotonic() if tracer.enabled else 0.0
             while self.kv.allocate_slots(req, n) is None:  # step 18 / 42
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -116,6 +118,8 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING:
                 break
             out.scheduled.append(ScheduledRequest(req, n, self.kv.get_block_ids(req)))
+            if tracer.enabled:
+                self._trace_running(req, n, t_alloc)
             budget -= n
             i += 1
 
@@ -124,11 +128,21 @@ class Scheduler:
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
             hit_blocks, n_hit = [], 0
+            t_lookup = time.monotonic() if tracer.enabled else 0.0
             if req.num_computed_tokens == 0:
                 hit_blocks, n_hit = self.kv.get_computed_blocks(req)  # step 16
             n = min(req.num_tokens - req.num_computed_tokens - n_hit, budget)
+            t_alloc = time.monotonic() if tracer.enabled else 0.0
             if self.kv.allocate_slots(req, n, hit_blocks) is None:
                 break
+            if tracer.enabled:
+                rid = [req.request_id]
+                tracer.record(16, t_lookup, t_alloc, rid, hit_tokens=n_hit, hit_blocks=len(hit_blocks),
+                              prompt_tokens=req.num_prompt_tokens, caching=self.kv.enable_caching)
+                tracer.record(18, t_alloc, time.monotonic(), rid, blocks=len(self.kv.get_block_ids(req)))
+                tracer.record(17, t_alloc, t_alloc, rid, chunk=0, tokens=n,
+                              from_token=req.num_computed_tokens + n_hit, prompt_tokens=req.num_prompt_tokens,
+                              budget=self.config.max_num_batched_tokens)
             self.waiting.popleft()
             if self.kv.enable_caching:
                 self.kv.record_prefix_lookup(req.num_tokens, n_hit)
@@ -143,6 +157,20 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(req, n, self.kv.get_block_ids(req)))
             budget -= n
         return out
+
+    def _trace_running(self, req: Request, n: int, t_alloc: float) -> None:
+        """Spans of a running request's slice: a later prefill chunk (17, 18) or a decode (42)."""
+        now = time.monotonic()
+        rid = [req.request_id]
+        blocks = len(self.kv.get_block_ids(req))
+        if req.num_output_tokens and n == 1:
+            tracer.record(42, t_alloc, now, rid, blocks=blocks)
+        else:
+            req.num_chunks += 1
+            tracer.record(17, t_alloc, t_alloc, rid, chunk=req.num_chunks, tokens=n,
+                          from_token=req.num_computed_tokens, prompt_tokens=req.num_prompt_tokens,
+                          budget=self.config.max_num_batched_tokens)
+            tracer.record(18, t_alloc, now, rid, blocks=blocks)
 
     def _preempt(self, req: Request) -> None:
         """Recompute-style preemption: drop its blocks, put it back at the front."""
@@ -207,6 +235,14 @@ class Scheduler:
             self._finish(req, status)
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
+        t0 = time.monotonic() if tracer.enabled else 0.0
         req.status = status
+        blocks = len(self.kv.req_blocks.get(req.request_id, ())) if tracer.enabled else 0
         self.kv.free(req)  # step 52
         del self.requests[req.request_id]
+        if tracer.enabled:
+            now = time.monotonic()
+            tracer.record(51, t0, t0, [req.request_id], reason=status.finish_reason,
+                          output_tokens=req.num_output_tokens)
+            tracer.record(52, t0, now, [req.request_id], blocks=blocks,
+                          cached=self.kv.enable_caching)

@@ -22,6 +22,7 @@ from lane.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
 from lane.metrics.stats import IterationStats
 from lane.outputs import RequestOutput
 from lane.sampling_params import SamplingParams
+from lane.tracing import Span, TraceStore, tracer
 
 logger = logging.getLogger(__name__)
 
@@ -44,14 +45,15 @@ class RequestStream:
 
 class AsyncLLM:
     def __init__(self, args: EngineArgs, data_parallel_size: int = 1, served_model_name: str | None = None,
-                 log_stats_interval_s: float = 5.0) -> None:
+                 log_stats_interval_s: float = 5.0, trace_max_requests: int = 100) -> None:
         self.args = args
         self.model_config = args.create_model_config()
         self.served_model_name = served_model_name or default_served_name(args.model, self.model_config)
         self.tokenizer = self.model_config.get_tokenizer()
         self.processor = InputProcessor(self.model_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.client = AsyncMPClient(args, data_parallel_size, self._on_outputs, self._on_engine_dead)
+        self.client = AsyncMPClient(args, data_parallel_size, self._on_outputs, self._on_engine_dead,
+                                    self._on_spans)
         self.registry = CollectorRegistry()
         self.prometheus = PrometheusStatLogger(self.served_model_name, data_parallel_size, self.registry)
         self.log_stats = [LoggingStatLogger(i) for i in range(data_parallel_size)]
@@ -59,13 +61,26 @@ class AsyncLLM:
         self.streams: dict[str, RequestStream] = {}
         self._ids = itertools.count()
         self._log_task: asyncio.Task | None = None
+        self.traces: TraceStore | None = None
+        if args.enable_tracing:  # the seed's steps, kept for the last requests
+            self.traces = TraceStore(trace_max_requests)
+            tracer.enable(args.trace_layers)
+            tracer.sink = self.traces.add
 
     @property
     def max_model_len(self) -> int:
         return self.model_config.max_model_len
 
     async def start(self) -> None:
+        t0 = time.monotonic()
         await self.client.start()
+        if self.traces is not None:
+            for r in self.client.ready:
+                self._on_spans(r.spans or [])
+                self.traces.skipped.update(r.skipped or {})
+            # step 9: from the last engine's start-up work to the frontend seeing it ready
+            ends = [s.start + s.dur for s in self.traces.startup] or [t0]
+            tracer.record(9, max(ends), time.monotonic(), engines=len(self.client.ready))
         for r in self.client.ready:
             self.prometheus.log_engine_initialized(
                 r.engine_index, r.block_size, r.num_gpu_blocks, r.enable_prefix_caching,
@@ -98,7 +113,11 @@ class AsyncLLM:
         """Send a validated request to an engine (the balancer's pick, or the pinned rank)."""
         if not self.is_healthy:
             raise EngineDeadError("an engine core is not running")
+        t0 = time.monotonic() if tracer.enabled else 0.0
         engine = self.client.choose_engine(data_parallel_rank, params.n)
+        if tracer.enabled:  # step 13
+            tracer.record(13, t0, time.monotonic(), [request_id], engine=engine, pinned=data_parallel_rank is not None,
+                          scores=[load.score for load in self.client.balancer.loads])
         handle = RequestStream(request_id, engine)
         pairs = self.output_processor.add_request(request_id, prompt, prompt_token_ids, params, stream,
                                                   arrival_time=time.monotonic())
@@ -140,9 +159,18 @@ class AsyncLLM:
             logger.debug("Aborted request %s", request_id)
 
     # -- engine callbacks ------------------------------------------------------
+    def _on_spans(self, spans: list[Span]) -> None:
+        if self.traces is not None:
+            for span in spans:
+                self.traces.add(span)
+
     def _on_outputs(self, outs: EngineCoreOutputs) -> None:
         iteration_stats = IterationStats()
+        t0 = time.monotonic() if tracer.enabled else 0.0
         request_outputs, to_abort = self.output_processor.process_outputs(outs.outputs, iteration_stats)
+        if tracer.enabled and request_outputs:  # step 38
+            tracer.record(38, t0, time.monotonic(), [ro.request_id for ro in request_outputs],
+                          tokens=sum(len(o.new_token_ids) for o in outs.outputs))
         for ro in request_outputs:
             handle = self.streams.get(ro.request_id)
             if handle is None:

@@ -20,6 +20,7 @@ from lane.core.request import Request, RequestStatus
 from lane.core.scheduler import EngineCoreOutput, Scheduler
 from lane.logger import configure_process_logging
 from lane.metrics.stats import SchedulerStats
+from lane.tracing import DECODE_STEP, Span, skipped_steps, tracer
 from lane.model_executor.layers import cpu_kernels
 from lane.sampling_params import SamplingParams
 from lane.worker.worker import Worker
@@ -42,8 +43,12 @@ class EngineCore:
         self.config = config
         self.worker = Worker(config)
         cc = config.cache_config
+        t_pool = time.monotonic()
         cc.num_blocks = self.worker.determine_num_blocks()
         self.worker.initialize_cache(cc.num_blocks)
+        if tracer.enabled:  # step 8
+            tracer.record(8, t_pool, time.monotonic(), blocks=cc.num_blocks - 1, block_size=cc.block_size,
+                          budget_mib=round(cc.budget_bytes() / 2**20, 1))
         self.warmup_s = self.worker.warmup()
         self.scheduler = Scheduler(config.scheduler_config, cc, config.model_config.eos_token_ids)
         self.kv_cache_bytes = cc.num_blocks * self.worker.runner.kv_cache_bytes_per_block()
@@ -76,11 +81,44 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[EngineCoreOutput]:
+        if tracer.enabled:
+            return self._traced_step()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
         sampled = self.worker.execute_model(sched)
         return self.scheduler.update_from_output(sched, sampled)
+
+    def _traced_step(self) -> list[EngineCoreOutput]:
+        """step() recording the engine's spans; a decoding request sees an engine-level
+        span under its decode-loop number (15 -> 43, 19 -> 44, 35 -> 49, 36 -> 41)."""
+        t0 = time.monotonic()
+        sched = self.scheduler.schedule()
+        t1 = time.monotonic()
+        if sched.is_empty:
+            return []
+        decode = [s.request.request_id for s in sched.scheduled
+                  if s.num_tokens == 1 and s.request.num_output_tokens]
+        decode_set = set(decode)
+        prefill = [s.request.request_id for s in sched.scheduled if s.request.request_id not in decode_set]
+        batch = dict(batch=len(sched.scheduled), tokens=sched.total_num_tokens)
+
+        def both(step: int, start: float, end: float, **attrs) -> None:
+            if prefill:
+                tracer.record(step, start, end, prefill, **batch, **attrs)
+            if decode:
+                tracer.record(DECODE_STEP[step], start, end, decode, **batch, **attrs)
+
+        both(15, t0, t1, running=len(self.scheduler.running), waiting=len(self.scheduler.waiting))
+        t2 = time.monotonic()
+        both(19, t1, t2, transport="in-process call (TP=1)")
+        sampled = self.worker.execute_model(sched)
+        t3 = time.monotonic()
+        last = tracer.spans[-1] if tracer.spans else None
+        both(35, last.start + last.dur if last is not None and last.step == 34 else t3, t3)
+        outputs = self.scheduler.update_from_output(sched, sampled)
+        both(36, t3, time.monotonic(), finished=sum(o.finish_reason is not None for o in outputs))
+        return outputs
 
 
 # -- the engine-core process (lane serve) ------------------------------------------
@@ -95,6 +133,7 @@ class EngineCoreOutputType(bytes, enum.Enum):
     """First frame of an engine -> frontend message."""
     READY = b"\x00"
     OUTPUTS = b"\x01"
+    SPANS = b"\x02"  # trace spans, sent after the outputs they describe
 
 
 @dataclass
@@ -106,6 +145,8 @@ class EngineReady:
     kv_cache_bytes: int
     enable_prefix_caching: bool
     threads: int
+    spans: list[Span] | None = None  # start-up steps 1-8, when tracing
+    skipped: dict[int, str] | None = None  # steps this model never performs, and why
 
 
 @dataclass
@@ -131,6 +172,8 @@ class EngineCoreProc:
         self.output_socket.connect(output_address)
         self.encoder = msgspec.msgpack.Encoder()
         self.input_queue: queue.Queue = queue.Queue()
+        if args.enable_tracing:
+            tracer.enable(args.trace_layers)
         config = args.create_engine_config()
         self.core = EngineCore(config)
         cc = config.cache_config
@@ -138,7 +181,9 @@ class EngineCoreProc:
                          name="EngineCoreInput").start()
         self._send(EngineCoreOutputType.READY, EngineReady(
             engine_index, os.getpid(), cc.num_blocks - 1, cc.block_size, self.core.kv_cache_bytes,
-            cc.enable_prefix_caching, self.core.worker.threads))
+            cc.enable_prefix_caching, self.core.worker.threads,
+            tracer.drain() if tracer.enabled else None,
+            skipped_steps(config.model_config.hf_config) if tracer.enabled else None))
         self._last_stats: SchedulerStats | None = None
 
     def _read_inputs(self, address: str) -> None:
@@ -150,17 +195,22 @@ class EngineCoreProc:
         abort_decoder = msgspec.msgpack.Decoder(list[str])
         while True:
             kind, payload = sock.recv_multipart(copy=False)
+            received = time.monotonic()
             if kind.bytes == EngineCoreRequestType.ADD.value:
-                self.input_queue.put((EngineCoreRequestType.ADD, add_decoder.decode(payload.buffer)))
+                self.input_queue.put((EngineCoreRequestType.ADD, add_decoder.decode(payload.buffer), received))
             else:
-                self.input_queue.put((EngineCoreRequestType.ABORT, abort_decoder.decode(payload.buffer)))
+                self.input_queue.put((EngineCoreRequestType.ABORT, abort_decoder.decode(payload.buffer), received))
 
     def _send(self, kind: EngineCoreOutputType, obj) -> None:
         self.output_socket.send_multipart((kind.value, self.encoder.encode(obj)), copy=False)
 
-    def _handle(self, kind: EngineCoreRequestType, payload) -> None:
+    def _handle(self, kind: EngineCoreRequestType, payload, received: float) -> None:
         if kind is EngineCoreRequestType.ADD:
             self.core.add_request(payload)
+            if tracer.enabled:  # step 14: from the socket into the waiting queue
+                tracer.record(14, received, time.monotonic(), [payload.request_id],
+                              prompt_tokens=len(payload.prompt_token_ids),
+                              waiting=len(self.core.scheduler.waiting))
         else:
             self.core.abort_requests(payload)
 
@@ -181,9 +231,15 @@ class EngineCoreProc:
             outputs = self.core.step()
             stats = self.core.scheduler.make_stats()
             if outputs or stats != self._last_stats:
+                t_send = time.monotonic()
                 self._send(EngineCoreOutputType.OUTPUTS, EngineCoreOutputs(
-                    self.engine_index, outputs, stats, time.monotonic()))
+                    self.engine_index, outputs, stats, t_send))
                 self._last_stats = stats
+                if tracer.enabled and outputs:  # step 37
+                    tracer.record(37, t_send, time.monotonic(), [o.request_id for o in outputs],
+                                  outputs=len(outputs))
+            if tracer.enabled and tracer.spans:
+                self._send(EngineCoreOutputType.SPANS, tracer.drain())
 
 
 def run_engine_core(args, engine_index: int, input_address: str, output_address: str,

@@ -26,6 +26,7 @@ from lane.engine.core import (EngineCoreOutputs, EngineCoreOutputType, EngineCor
                               EngineCoreRequestType, EngineReady, run_engine_core)
 from lane.engine.dp_balancer import DPLoadBalancer
 from lane.platform import available_cpus
+from lane.tracing import Span
 
 logger = logging.getLogger(__name__)
 
@@ -48,13 +49,15 @@ def split_cpus(num_engines: int) -> list[list[int] | None]:
 class AsyncMPClient:
     def __init__(self, args: EngineArgs, data_parallel_size: int,
                  on_outputs: Callable[[EngineCoreOutputs], None],
-                 on_engine_dead: Callable[[int, int | None], None]) -> None:
+                 on_engine_dead: Callable[[int, int | None], None],
+                 on_spans: Callable[[list[Span]], None] | None = None) -> None:
         if data_parallel_size < 1:
             raise ValueError(f"--data-parallel-size must be >= 1, got {data_parallel_size}")
         self.args = args
         self.num_engines = data_parallel_size
         self.on_outputs = on_outputs
         self.on_engine_dead = on_engine_dead
+        self.on_spans = on_spans
         self.balancer = DPLoadBalancer(data_parallel_size)
         self.ready: list[EngineReady] = []
         self.procs: list[multiprocessing.Process] = []
@@ -126,8 +129,13 @@ class AsyncMPClient:
     # -- running ---------------------------------------------------------------
     async def _output_loop(self) -> None:
         decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
+        span_decoder = msgspec.msgpack.Decoder(list[Span])
         while True:
             kind, payload = await self.output_socket.recv_multipart(copy=False)
+            if kind.bytes == EngineCoreOutputType.SPANS.value:
+                if self.on_spans is not None:
+                    self.on_spans(span_decoder.decode(payload.buffer))
+                continue
             if kind.bytes != EngineCoreOutputType.OUTPUTS.value:
                 continue
             outs = decoder.decode(payload.buffer)

@@ -139,8 +139,12 @@ class OutputProcessor:
                 text, ids, lps = c.detok.output_text, list(c.token_ids), c.logprobs
             outs.append(CompletionOutput(c.index, text, ids, c.cumulative_logprob, lps,
                                          c.finish_reason, c.stop_reason))
+        metrics = {}
+        first = min(state.children.values(), key=lambda c: c.index)
+        if state.finished and first.stats is not None:
+            metrics = first.stats.timing_ms(time.monotonic())
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outs,
-                             state.finished, state.num_cached_tokens)
+                             state.finished, state.num_cached_tokens, metrics)
 
     def abort(self, request_id: str) -> list[str]:
         """Forget a request; returns its child ids (to abort in the engine)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import time
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -21,6 +22,7 @@ from lane.entrypoints.openai_serving import APIError, OpenAIServing, bad_request
 from lane.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                        ModelCard, ModelList, TokenizeRequest)
 from lane.sampling_params import ParamError
+from lane.tracing import tracer
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +72,21 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
         return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}: {exc}",
                                        "InternalServerError"), 500)
 
+    if engine.traces is not None:
+        @app.middleware("http")
+        async def arrival_time(request: Request, call_next):
+            request.state.arrival = time.monotonic()  # step 11 starts when the request arrives
+            return await call_next(request)
+
+        @app.get("/v1/traces/{request_id}")
+        async def get_trace(request_id: str):
+            trace = engine.traces.get(request_id)
+            if trace is None:
+                raise APIError(404, f"no trace for request {request_id!r} (only the last "
+                                    f"{engine.traces.max_requests} are kept)", "NotFoundError", "request_id")
+            trace["model"] = served_model_names[0]
+            return trace
+
     if api_key:
         @app.middleware("http")
         async def authenticate(request: Request, call_next):
@@ -82,6 +99,9 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
 
     @app.get("/health")
     async def health():
+        if tracer.enabled:  # step 57
+            now = time.monotonic()
+            tracer.record(57, now, now, None, healthy=engine.is_healthy)
         if engine.is_healthy:
             return Response(status_code=200)
         dead = ", ".join(f"engine core {i} (exit code {c})" for i, c in engine.client.dead.items())
@@ -94,7 +114,11 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
 
     @app.get("/metrics")
     async def metrics():
-        return Response(generate_latest(engine.registry), media_type=CONTENT_TYPE_LATEST)
+        t0 = time.monotonic()
+        body = generate_latest(engine.registry)
+        if tracer.enabled:  # step 56
+            tracer.record(56, t0, time.monotonic(), None, bytes=len(body))
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models():
@@ -139,8 +163,9 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
 
 async def serve(args: EngineArgs, host: str, port: int, data_parallel_size: int = 1,
                 served_model_name: list[str] | None = None, api_key: str | None = None,
-                uvicorn_log_level: str = "warning") -> None:
-    engine = AsyncLLM(args, data_parallel_size, served_model_name[0] if served_model_name else None)
+                uvicorn_log_level: str = "warning", trace_max_requests: int = 100) -> None:
+    engine = AsyncLLM(args, data_parallel_size, served_model_name[0] if served_model_name else None,
+                      trace_max_requests=trace_max_requests)
     names = served_model_name or [engine.served_model_name]
     try:
         await engine.start()

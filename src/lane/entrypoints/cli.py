@@ -1,4 +1,4 @@
-"""The ``lane`` command: ``lane generate``, ``lane serve``, ``lane bench``."""
+"""The ``lane`` command: ``lane generate``, ``lane serve``, ``lane bench``, ``lane trace``."""
 from __future__ import annotations
 
 import argparse
@@ -94,6 +94,7 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     api_key = args.api_key or os.environ.get("LANE_API_KEY") or None
     try:
         eargs = engine_args(args)
+        eargs.enable_tracing, eargs.trace_layers = args.trace or args.trace_layers, args.trace_layers
         eargs.create_model_config()  # a bad --model or --max-model-len fails here, with its flag
     except (ValueError, FileNotFoundError, TypeError) as e:
         parser.error(str(e))
@@ -102,12 +103,38 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         asyncio.run(serve(eargs, args.host, args.port, data_parallel_size=args.data_parallel_size,
-                          served_model_name=args.served_model_name, api_key=api_key))
+                          served_model_name=args.served_model_name, api_key=api_key,
+                          trace_max_requests=args.trace_max_requests))
     except KeyboardInterrupt:
         pass
     except (RuntimeError, TimeoutError, ValueError) as e:
         print(f"lane serve: {e}", file=sys.stderr)
         return 1
+    return 0
+
+
+def cmd_trace(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from lane.tracing.client import run
+
+    if args.prompt_file:
+        if not os.path.isfile(args.prompt_file):
+            parser.error(f"--prompt-file {args.prompt_file!r} is not a file")
+        with open(args.prompt_file) as f:
+            args.prompt = f.read()
+    if args.prompt is None and args.request_id is None:
+        parser.error("give a PROMPT (or --prompt-file) to send, or --request-id of a request already served")
+    if args.max_tokens < 1:
+        parser.error(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    try:
+        json_path, html_path, trace = run(args.base_url, args.prompt, args.request_id, args.model,
+                                          args.max_tokens, args.chat, args.output_dir, args.api_key)
+    except Exception as e:  # network errors, a server without --trace: say so, no traceback
+        print(f"lane trace: {e}", file=sys.stderr)
+        return 1
+    recorded = [s for s in trace["spans"] if not s.get("skipped")]
+    print(f"request {trace['request_id']}: {len(recorded)} spans, "
+          f"{len(trace['spans']) - len(recorded)} skipped steps")
+    print(f"wrote {json_path} (Perfetto / chrome://tracing) and {html_path}")
     return 0
 
 
@@ -160,6 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                      help="engine-core replicas, each its own process, behind a load balancer")
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set LANE_API_KEY)")
+    srv.add_argument("--trace", action="store_true",
+                     help="record every request's steps (GET /v1/traces/ID, lane trace)")
+    srv.add_argument("--trace-layers", action="store_true", help="with --trace: one span per layer, not per forward")
+    srv.add_argument("--trace-max-requests", type=int, default=100, help="with --trace: traces kept")
     add_engine_args(srv)
 
     from lane.bench.benchmark import add_cli_args as add_bench_args
@@ -167,7 +198,19 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="benchmark an OpenAI-compatible server (vllm bench serve's flags); "
                                          "`lane bench compare A.json B.json` compares two runs")
     add_bench_args(bench)
+    tr = sub.add_parser("trace", help="trace one request through a `lane serve --trace`: trace.json + trace.html")
+    tr.add_argument("prompt", nargs="?", default=None, help="the prompt to send (or give --request-id)")
+    tr.add_argument("--base-url", default="http://127.0.0.1:8000", help="server URL without /v1")
+    tr.add_argument("--request-id", default=None, help="fetch the trace of a request already served")
+    tr.add_argument("--prompt-file", default=None, help="read the prompt from this file")
+    tr.add_argument("--model", default=None, help="model name (default: the server's first)")
+    tr.add_argument("--max-tokens", type=int, default=32)
+    tr.add_argument("--chat", action="store_true", help="send it to /v1/chat/completions")
+    tr.add_argument("--output-dir", default=".", help="where trace.json and trace.html go")
+    tr.add_argument("--api-key", default=os.environ.get("LANE_API_KEY"))
     args = parser.parse_args(argv)
+    if args.command == "trace":
+        return cmd_trace(args, tr)
     if args.command == "generate":
         return cmd_generate(args, gen)
     if args.command == "serve":

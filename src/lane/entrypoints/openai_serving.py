@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 from typing import Any, AsyncIterator, Awaitable
 
@@ -20,6 +21,7 @@ from lane.entrypoints.protocol import (ChatChoice, ChatCompletionChunk, ChatComp
                                        TopLogprob, UsageInfo)
 from lane.outputs import CompletionOutput, RequestOutput
 from lane.sampling_params import ParamError, SamplingParams
+from lane.tracing import tracer
 
 
 class APIError(Exception):
@@ -103,6 +105,13 @@ async def until_disconnected(raw_request: Request, work: Awaitable):
     return task.result() if not task.cancelled() else None
 
 
+def trace_chunk(request_id: str, start: float, index: int, choices: int) -> None:
+    """Step 39 (the first SSE chunk with text) or 50 (a later delta)."""
+    if tracer.enabled:
+        tracer.record(39 if index == 0 else 50, start, time.monotonic(), [request_id], chunk=index,
+                      choices=choices)
+
+
 class OpenAIServing:
     def __init__(self, engine: AsyncLLM, served_model_names: list[str]) -> None:
         self.engine = engine
@@ -118,14 +127,19 @@ class OpenAIServing:
         self.engine.processor.validate(ids, params, strict_max_tokens=True)
         return params
 
-    def _start(self, prefix: str, prompts: list[tuple[str | None, list[int]]], request: SamplingRequest
-               ) -> tuple[str, list[RequestStream], int]:
+    def _start(self, prefix: str, prompts: list[tuple[str | None, list[int]]], request: SamplingRequest,
+               raw_request: Request, t_entry: float) -> tuple[str, list[RequestStream], int]:
         """Validate every prompt, then send them; returns (response id, handles, n)."""
         try:
             params = [self._params(ids, request) for _, ids in prompts]
         except ValueError as e:
             raise bad_request(e) from None
         rid = f"{prefix}-{uuid.uuid4().hex}"
+        if tracer.enabled:  # steps 11 (body parsed and validated) and 12 (tokenised)
+            ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
+            arrival = getattr(raw_request.state, "arrival", t_entry)
+            tracer.record(11, arrival, t_entry, ids, endpoint=raw_request.url.path, stream=request.stream)
+            tracer.record(12, t_entry, time.monotonic(), ids, prompt_tokens=sum(len(p) for _, p in prompts))
         handles = []
         try:
             for i, ((text, ids), sp) in enumerate(zip(prompts, params)):
@@ -214,9 +228,10 @@ class OpenAIServing:
         return out
 
     async def create_completion(self, request: CompletionRequest, raw_request: Request):
+        t_entry = time.monotonic()
         self.check_model(request.model)
         prompts = self._completion_prompts(request)
-        rid, handles, n = self._start("cmpl", prompts, request)
+        rid, handles, n = self._start("cmpl", prompts, request, raw_request, t_entry)
         model = request.model or self.served_model_names[0]
         echo = [(t if t is not None else self.tokenizer.decode(ids)) if request.echo else ""
                 for t, ids in prompts]
@@ -236,7 +251,14 @@ class OpenAIServing:
                     logprobs=self._completion_logprobs(c, num_lp, len(echo[i]))
                     if request.logprobs is not None else None))
         resp = CompletionResponse(id=rid, model=model, choices=choices, usage=self._usage(finals))
-        return JSONResponse(resp.model_dump(), headers=self._headers(handles))
+        t0 = time.monotonic()
+        body = resp.model_dump()
+        if request.return_timing:
+            body["timing"] = finals[0].metrics if len(finals) == 1 else [r.metrics for r in finals]
+        response = JSONResponse(body, headers=self._headers(handles))
+        for h in handles:
+            trace_chunk(h.request_id, t0, 0, len(choices))
+        return response
 
     async def _stream_completion(self, rid: str, model: str, handles: list[RequestStream], n: int,
                                  echo: list[str], request: CompletionRequest, num_lp: int) -> AsyncIterator[str]:
@@ -244,6 +266,7 @@ class OpenAIServing:
         finals: list[RequestOutput | None] = [None] * len(handles)
         tokens = [[0] * n for _ in handles]
         base = CompletionResponse(id=rid, model=model, choices=[]).model_dump(exclude={"usage"})
+        sent = 0
         try:
             async for i, out in merge([self.engine.outputs(h) for h in handles]):
                 finals[i] = out
@@ -264,19 +287,27 @@ class OpenAIServing:
                     choices.append({"index": idx, "text": text, "logprobs": lp,
                                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
                 if choices:
-                    yield sse({**base, "choices": choices})
+                    t0 = time.monotonic()
+                    chunk = sse({**base, "choices": choices})
+                    trace_chunk(handles[i].request_id, t0, sent, len(choices))
+                    sent += 1
+                    yield chunk
             if request.stream_options and request.stream_options.include_usage:
                 prompt = sum(len(r.prompt_token_ids) for r in finals if r)
                 completion = sum(map(sum, tokens))
                 yield sse({**base, "choices": [], "usage": UsageInfo(
                     prompt_tokens=prompt, completion_tokens=completion,
                     total_tokens=prompt + completion).model_dump(exclude_none=True)})
+            if request.return_timing:
+                timing = [r.metrics for r in finals if r] if len(finals) > 1 else finals[0].metrics
+                yield sse({**base, "choices": [], "timing": timing})
         except Exception as e:  # an engine died mid-stream: say so in the stream
             yield sse(error_body(500, str(e), "InternalServerError"))
         yield "data: [DONE]\n\n"
 
     # -- /v1/chat/completions ------------------------------------------------------
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request):
+        t_entry = time.monotonic()
         self.check_model(request.model)
         try:
             conversation = request.conversation()
@@ -286,7 +317,7 @@ class OpenAIServing:
             raise bad_request(e) from None
         except Exception as e:  # a template that fails on these messages
             raise APIError(400, f"the chat template failed: {e}", "BadRequestError", "messages") from None
-        rid, handles, n = self._start("chatcmpl", [(None, ids)], request)
+        rid, handles, n = self._start("chatcmpl", [(None, ids)], request, raw_request, t_entry)
         model = request.model or self.served_model_names[0]
         num_lp = request.top_logprobs or 0
         if request.stream:
@@ -300,13 +331,20 @@ class OpenAIServing:
                               logprobs=self._chat_logprobs(c, num_lp) if request.logprobs else None)
                    for c in finals[0].outputs]
         resp = ChatCompletionResponse(id=rid, model=model, choices=choices, usage=self._usage(finals))
-        return JSONResponse(resp.model_dump(), headers=self._headers(handles))
+        t0 = time.monotonic()
+        body = resp.model_dump()
+        if request.return_timing:
+            body["timing"] = finals[0].metrics
+        response = JSONResponse(body, headers=self._headers(handles))
+        trace_chunk(rid, t0, 0, len(choices))
+        return response
 
     async def _stream_chat(self, rid: str, model: str, handle: RequestStream, n: int,
                            request: ChatCompletionRequest, num_lp: int) -> AsyncIterator[str]:
         base = ChatCompletionChunk(id=rid, model=model, choices=[]).model_dump(exclude={"usage"})
         finished: set[int] = set()
         completion_tokens = 0
+        sent = 0
         final: RequestOutput | None = None
         try:
             yield sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
@@ -326,12 +364,18 @@ class OpenAIServing:
                         "logprobs": self._chat_logprobs(c, num_lp).model_dump() if request.logprobs else None,
                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
                 if choices:
-                    yield sse({**base, "choices": choices})
+                    t0 = time.monotonic()
+                    chunk = sse({**base, "choices": choices})
+                    trace_chunk(handle.request_id, t0, sent, len(choices))
+                    sent += 1
+                    yield chunk
             if request.stream_options and request.stream_options.include_usage and final is not None:
                 prompt = len(final.prompt_token_ids)
                 yield sse({**base, "choices": [], "usage": UsageInfo(
                     prompt_tokens=prompt, completion_tokens=completion_tokens,
                     total_tokens=prompt + completion_tokens).model_dump(exclude_none=True)})
+            if request.return_timing and final is not None:
+                yield sse({**base, "choices": [], "timing": final.metrics})
         except Exception as e:
             yield sse(error_body(500, str(e), "InternalServerError"))
         yield "data: [DONE]\n\n"

@@ -61,6 +61,7 @@ class SamplingRequest(OpenAIBaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     data_parallel_rank: int | None = None
+    return_timing: bool = False  # lane's extension: queue / prefill / decode / TTFT / mean ITL in ms
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         if self.stream_options is not None and not self.stream:

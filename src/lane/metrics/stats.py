@@ -66,6 +66,17 @@ class RequestStateStats:
         self.num_generation_tokens += num_new
         stats.num_generation_tokens += num_new
 
+    def timing_ms(self, now: float) -> dict[str, float]:
+        """Per-request timing, as vLLM's RequestOutput.metrics has it, in milliseconds."""
+        scheduled = self.scheduled_ts or self.first_token_ts or now
+        first, last = self.first_token_ts or now, self.last_token_ts or now
+        out = {"queue_ms": (scheduled - (self.queued_ts or self.arrival_time)) * 1000,
+               "prefill_ms": (first - scheduled) * 1000, "decode_ms": (last - first) * 1000,
+               "ttft_ms": (first - self.arrival_time) * 1000, "e2e_ms": (now - self.arrival_time) * 1000,
+               "mean_itl_ms": (last - first) * 1000 / (self.num_generation_tokens - 1)
+               if self.num_generation_tokens > 1 else 0.0}
+        return {k: round(max(v, 0.0), 3) for k, v in out.items()}
+
     def finish(self, now: float, reason: str, num_prompt_tokens: int) -> FinishedRequestStats:
         scheduled = self.scheduled_ts or self.first_token_ts or now
         queued = self.queued_ts or self.arrival_time

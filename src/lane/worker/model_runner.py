@@ -5,12 +5,16 @@ request's pending tokens go through the LM head and the sampler.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn as nn
 
 from lane.core.scheduler import SamplerResult, SchedulerOutput, ScheduledRequest
 from lane.model_executor.layers.attention import AttentionMetadata, PrefillSpan, set_attention_metadata
 from lane.model_executor.layers.sampler import SamplingMetadata, sample
+from lane import tracing
+from lane.tracing import tracer
 
 
 class ModelRunner:
@@ -21,6 +25,7 @@ class ModelRunner:
         self.dtype = dtype
         self.device = device
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.num_layers = len(model.attention_layers())
 
     # -- step 8: the cache tensors -------------------------------------------
     def kv_cache_bytes_per_block(self) -> int:
@@ -111,12 +116,28 @@ class ModelRunner:
     # -- one step ------------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> dict[str, SamplerResult]:
-        input_ids, positions, md, sample_rows, sampling = self._prepare(sched)
+        prof = tracing.forward_profile()  # None unless tracing
+        t0 = time.monotonic() if prof else 0.0
+        input_ids, positions, md, sample_rows, sampling = self._prepare(sched)  # step 20
+        if prof:
+            ids = [s.request.request_id for s in sched.scheduled]
+            tracer.record(20, t0, time.monotonic(), ids, tokens=len(input_ids),
+                          decodes=md.num_decodes, prefill_chunks=len(md.prefills))
+            prof.begin()
         with set_attention_metadata(md):
             hidden = self.model(input_ids, positions)
         if not sample_rows:
+            if prof:
+                prof.emit(ids, self.num_layers)
             return {}
         logits = self.model.compute_logits(hidden[sample_rows])  # step 32
+        if prof:
+            prof.mark(32)
+            prof.emit(ids, self.num_layers)
+            t_sample = time.monotonic()
         out = sample(logits, self._sampling_metadata(sampling))  # step 34
+        if prof:
+            tracer.record(34, t_sample, time.monotonic(), [s.request.request_id for s in sampling],
+                          rows=len(sampling), greedy=all(s.request.sampling_params.greedy for s in sampling))
         return {s.request.request_id: SamplerResult(tok, lp)
                 for s, tok, lp in zip(sampling, out.token_ids, out.logprobs)}

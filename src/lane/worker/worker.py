@@ -14,6 +14,7 @@ from lane import platform
 from lane.config import EngineConfig
 from lane.core.scheduler import SamplerResult, SchedulerOutput
 from lane.model_executor.layers import cpu_kernels
+from lane.tracing import tracer
 from lane.model_executor.layers.linear import prepack_linears
 from lane.model_executor.loader import get_model
 from lane.model_executor.layers.attention import AttentionMetadata, PrefillSpan, set_attention_metadata
@@ -26,9 +27,13 @@ class Worker:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         mc = config.model_config
+        t0 = time.monotonic()
         self.threads = platform.set_threads(config.threads)  # step 1
         if mc.device_type.type == "cpu":
             cpu_kernels.build()
+        if tracer.enabled:
+            tracer.record(1, t0, time.monotonic(), device=str(mc.device_type), dtype=str(mc.dtype),
+                          threads=self.threads, cpu_kernels=cpu_kernels.available())
         torch.manual_seed(mc.seed)
         self.model = get_model(mc, config.load_threads, config.show_progress)  # step 4
         self.num_packed = prepack_linears(self.model)
@@ -57,6 +62,7 @@ class Worker:
     def warmup(self) -> float:
         """Step 6: one prefill-shaped forward so oneDNN / MKL pick their kernels now."""
         t0 = time.perf_counter()
+        t_start = time.monotonic()
         bs = self.config.cache_config.block_size
         n = min(64, self.config.scheduler_config.max_num_batched_tokens, bs * 2)
         ids = torch.zeros(n, dtype=torch.long)
@@ -69,6 +75,8 @@ class Worker:
         for k, v in self.runner.kv_caches:
             k[1:1 + -(-n // bs)].zero_()
             v[1:1 + -(-n // bs)].zero_()
+        if tracer.enabled:
+            tracer.record(6, t_start, time.monotonic(), tokens=n)
         return time.perf_counter() - t0
 
     def execute_model(self, sched: SchedulerOutput) -> dict[str, SamplerResult]:

@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lane import tracing
 from lane.model_executor.layers import cpu_kernels
 
 
@@ -98,6 +99,8 @@ class Attention(nn.Module):
             blk, off = md.slot_mapping // bs, md.slot_mapping % bs
             kc[blk, :, off] = k
             vc[blk, :, off] = v
+        mark = tracing.forward_mark()
+        mark(24)
         out = torch.empty_like(q)
         nd = md.num_decodes
         if nd:
@@ -107,6 +110,7 @@ class Attention(nn.Module):
         for span in md.prefills:
             s, e = span.query_start, span.query_end
             out[s:e] = self._prefill(q[s:e], k[s:e], v[s:e], span, kc, vc)
+        mark(27)
         return out.view(q.shape[0], -1)
 
     def _prefill(self, q, k, v, span: PrefillSpan, kc, vc) -> torch.Tensor:

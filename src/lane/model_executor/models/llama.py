@@ -11,6 +11,7 @@ from typing import Iterable
 import torch
 import torch.nn as nn
 
+from lane import tracing
 from lane.model_executor.layers.activation import silu_and_mul
 from lane.model_executor.layers.attention import Attention
 from lane.model_executor.layers.layernorm import RMSNorm
@@ -58,7 +59,12 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(rope, q, k)
-        return self.o_proj(self.attn(q, k, v))
+        mark = tracing.forward_mark()
+        mark(23)
+        out = self.attn(q, k, v)  # marks 24 and 27
+        out = self.o_proj(out)
+        mark(28)
+        return out
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -73,14 +79,19 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, rope, x, residual):
+        mark = tracing.forward_mark()  # seed steps 21-30, summed over layers when tracing
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
+        mark(21)
         x = self.self_attn(rope, x)
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        mark(21)
+        x = self.mlp(x)
+        mark(30)
+        return x, residual
 
 
 class LlamaModel(nn.Module):
@@ -97,11 +108,13 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        tracing.forward_mark()(21)
         rope = self.rotary.prepare(positions, x.dtype)
         residual = None
         for layer in self.layers:
             x, residual = layer(rope, x, residual)
         x, _ = self.norm(x, residual)
+        tracing.forward_mark()(32)
         return x
 
 
