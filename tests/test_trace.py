@@ -42,7 +42,8 @@ def events(trace, step=None):
 
 
 def end(e):
-    return e["ts"] + e.get("dur", 0)
+    # less a hundredth of a µs: ts and dur are rounded to the ns in trace.json
+    return e["ts"] + e.get("dur", 0) - 0.01
 
 
 def test_trace_holds_every_step_in_order(traces):
@@ -59,6 +60,8 @@ def test_trace_holds_every_step_in_order(traces):
     assert "index_topk" in skipped[25] and "speculative decoding off" == skipped[45]
     assert "PD disaggregation off" == skipped[55] and "dense model" in skipped[29]
     assert {41, 42, 43, 44, 49, 50, 51, 52} <= recorded
+    attention = events(first, 27)[0]["args"]
+    assert attention["backend"] == "paged_sdpa" and attention["layers"] == 30
     # the prompt went in ceil(tokens / budget) chunks
     chunks = events(first, 17)
     assert len(chunks) == -(-prompt_tokens // BUDGET)
@@ -121,3 +124,23 @@ def test_trace_without_tracing_is_a_clear_error(tmp_path):
         r = subprocess.run([*LANE, "trace", "--base-url", s.url, "hello", "--max-tokens", "2",
                             "--output-dir", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "--trace" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_per_forward_and_per_layer_spans_offline(lane_smollm_fp32):
+    from lane import SamplingParams
+    from lane.tracing import tracer
+
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    try:
+        for detail, per_forward in ((False, 1), (True, 30)):
+            tracer.enable(layer_detail=detail)
+            tracer.drain()
+            lane_smollm_fp32.generate(["Once upon a time"], params, use_tqdm=False)
+            spans = tracer.drain()
+            forwards = sum(s.step == 20 for s in spans)
+            assert forwards == 3
+            assert sum(s.step == 27 for s in spans) == per_forward * forwards
+            assert sum(s.step == 30 for s in spans) == per_forward * forwards
+    finally:
+        tracer.enabled = tracer.layer_detail = False
+        tracer.drain()

@@ -232,12 +232,13 @@ class EngineCoreProc:
             stats = self.core.scheduler.make_stats()
             if outputs or stats != self._last_stats:
                 t_send = time.monotonic()
-                self._send(EngineCoreOutputType.OUTPUTS, EngineCoreOutputs(
-                    self.engine_index, outputs, stats, t_send))
+                payload = self.encoder.encode(EngineCoreOutputs(self.engine_index, outputs, stats, t_send))
+                t_encoded = time.monotonic()
+                self.output_socket.send_multipart((EngineCoreOutputType.OUTPUTS.value, payload), copy=False)
                 self._last_stats = stats
-                if tracer.enabled and outputs:  # step 37
-                    tracer.record(37, t_send, time.monotonic(), [o.request_id for o in outputs],
-                                  outputs=len(outputs))
+                if tracer.enabled and outputs:  # step 37: until the message is handed to ZeroMQ
+                    tracer.record(37, t_send, t_encoded, [o.request_id for o in outputs],
+                                  outputs=len(outputs), bytes=len(payload))
             if tracer.enabled and tracer.spans:
                 self._send(EngineCoreOutputType.SPANS, tracer.drain())
 

@@ -168,18 +168,19 @@ class ForwardProfile:
             self.detail.append((step, self.last, now))
         self.last = now
 
-    def emit(self, request_ids: list[str], num_layers: int) -> None:
+    def emit(self, request_ids: list[str], num_layers: int, step_attrs: dict[int, dict] | None = None) -> None:
         """One span per step, laid end to end from the forward's start in step order
         (their real times interleave layer by layer; the sums are what they cost)."""
+        step_attrs = step_attrs or {}
         if self.detail:
             for step, s, e in self.detail:
-                tracer.record(step, s, e, request_ids, placement="per-layer")
+                tracer.record(step, s, e, request_ids, placement="per-layer", **step_attrs.get(step, {}))
             return
         t = self.start
         for step in sorted(self.acc):
             dur = self.acc[step]
             tracer.record(step, t, t + dur, request_ids, layers=1 if step in (32,) else num_layers,
-                          placement="summed over layers")
+                          placement="summed over layers", **step_attrs.get(step, {}))
             t += dur
 
 

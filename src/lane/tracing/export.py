@@ -110,7 +110,7 @@ rows.forEach((list, p) => {
     box.dataset.step = s.step; box.dataset.lane = s.lane;
     box.style.left = laneX(s.lane) + "px"; box.style.top = y + "px"; box.style.width = (LANE_W - 6) + "px";
     box.style.background = COLORS[DATA.lanes.indexOf(s.lane)];
-    const dur = s.skipped ? "skipped" : (s.dur * 1000 >= 0.01 ? (s.dur * 1000).toFixed(2) + " ms" : "");
+    const dur = s.skipped ? "skipped: " + s.skipped : (s.dur * 1000 >= 0.01 ? (s.dur * 1000).toFixed(2) + " ms" : "");
     box.innerHTML = "<b>" + s.step + "</b>" + s.name + " <i>" + dur + "</i>";
     const attrs = Object.entries(s.attrs || {}).map(([k, v]) => k + ": " + JSON.stringify(v)).join("\n");
     box.title = s.step + " " + s.name + " (" + s.lane + ") - " + (DATA.catalogue[s.step] || ["", "", ""])[2] + "\n"

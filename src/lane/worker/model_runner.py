@@ -13,7 +13,7 @@ import torch.nn as nn
 from lane.core.scheduler import SamplerResult, SchedulerOutput, ScheduledRequest
 from lane.model_executor.layers.attention import AttentionMetadata, PrefillSpan, set_attention_metadata
 from lane.model_executor.layers.sampler import SamplingMetadata, sample
-from lane import tracing
+from lane import platform, tracing
 from lane.tracing import tracer
 
 
@@ -26,6 +26,10 @@ class ModelRunner:
         self.device = device
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_layers = len(model.attention_layers())
+        config = getattr(model, "config", None)
+        backend = platform.select_attention_backend(config) if config is not None else None
+        # what traces say about step 27
+        self.attention_attrs = {27: {"backend": backend.name, "why": backend.reason}} if backend else {}
 
     # -- step 8: the cache tensors -------------------------------------------
     def kv_cache_bytes_per_block(self) -> int:
@@ -128,12 +132,12 @@ class ModelRunner:
             hidden = self.model(input_ids, positions)
         if not sample_rows:
             if prof:
-                prof.emit(ids, self.num_layers)
+                prof.emit(ids, self.num_layers, self.attention_attrs)
             return {}
         logits = self.model.compute_logits(hidden[sample_rows])  # step 32
         if prof:
             prof.mark(32)
-            prof.emit(ids, self.num_layers)
+            prof.emit(ids, self.num_layers, self.attention_attrs)
             t_sample = time.monotonic()
         out = sample(logits, self._sampling_metadata(sampling))  # step 34
         if prof:
