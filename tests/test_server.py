@@ -235,7 +235,12 @@ def test_disconnect_frees_kv_blocks(server):
             lines = r.iter_lines()
             for _ in range(6):
                 next(lines)
-        text = httpx.get(server.url + "/metrics").text
+        deadline = time.monotonic() + 5  # the gauges follow the engine's stats, a step behind
+        while True:
+            text = httpx.get(server.url + "/metrics").text
+            if metric(text, "vllm:num_requests_running") == 4 or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
         assert metric(text, "vllm:kv_cache_usage_perc") > idle
         assert metric(text, "vllm:num_requests_running") == 4
         for s in streams:
