@@ -1,4 +1,4 @@
-"""The ``lane`` command: ``lane generate``, ``lane serve``, ``lane bench``, ``lane trace``."""
+"""The ``lane`` command: generate, serve, bench, trace, explain, tiny-model."""
 from __future__ import annotations
 
 import argparse
@@ -208,7 +208,33 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("--chat", action="store_true", help="send it to /v1/chat/completions")
     tr.add_argument("--output-dir", default=".", help="where trace.json and trace.html go")
     tr.add_argument("--api-key", default=os.environ.get("LANE_API_KEY"))
+    ex = sub.add_parser("explain", help="which implementation and attention backend a model gets, and its KV layout")
+    ex.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                    help="HF model directory or .gguf file (default: the embedded SmolLM2)")
+    ex.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    ex.add_argument("--block-size", type=int, default=16)
+    ex.add_argument("--kv-cache-memory-bytes", type=parse_bytes, default=None)
+
+    tm = sub.add_parser("tiny-model", help="write a small random checkpoint of an architecture (SmolLM2's tokenizer)")
+    tm.add_argument("arch", choices=["llama", "qwen3", "deepseek_v3", "deepseek_v32"])
+    tm.add_argument("out_dir")
+    tm.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.command == "explain":
+        from lane.entrypoints.explain import explain
+
+        if args.block_size < 1:
+            ex.error(f"--block-size must be >= 1, got {args.block_size}")
+        try:
+            print(explain(args.model_tag, args.dtype, args.block_size, args.kv_cache_memory_bytes))
+        except (ValueError, FileNotFoundError, OSError) as e:
+            ex.error(str(e))
+        return 0
+    if args.command == "tiny-model":
+        from lane.entrypoints.tiny_model import write_tiny_model
+
+        print(f"wrote {write_tiny_model(args.arch, args.out_dir, args.seed)}")
+        return 0
     if args.command == "trace":
         return cmd_trace(args, tr)
     if args.command == "generate":

@@ -1,0 +1,91 @@
+"""``lane explain MODEL``: the seed's two troubleshooting layers for a model directory or
+GGUF file: (1) which implementation the registry resolves its architecture to, and who
+registered it; (2) which attention backend its config selects, on which fields, and the
+KV cache layout that follows (bytes per token per layer, blocks that fit the budget)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lane import platform, plugins
+from lane.registry import ModelRegistry
+
+BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass
+class CacheLayout:
+    what: str  # what one token of one layer keeps
+    bytes_per_token_layer: int
+    full_kv_bytes_per_token_layer: int  # what plain K and V for every head would take
+    num_layers: int
+
+
+def cache_layout(cfg, backend: str, dtype_bytes: int) -> CacheLayout:
+    layers = int(getattr(cfg, "num_hidden_layers", 0) or 0)
+    heads = int(getattr(cfg, "num_attention_heads", 0) or 0)
+    if backend in ("mla", "sparse_mla"):
+        latent, rope = int(cfg.kv_lora_rank), int(getattr(cfg, "qk_rope_head_dim", 0) or 0)
+        nope, v = int(getattr(cfg, "qk_nope_head_dim", 0) or 0), int(getattr(cfg, "v_head_dim", 0) or 0)
+        per = (latent + rope) * dtype_bytes
+        what = f"latent {latent} + rope key {rope}"
+        if backend == "sparse_mla":
+            idx = int(getattr(cfg, "index_head_dim", 0) or 0)
+            per += idx * dtype_bytes
+            what += f" + indexer key {idx}"
+        return CacheLayout(what, per, heads * (nope + rope + v) * dtype_bytes, layers)
+    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or (cfg.hidden_size // heads if heads else 0))
+    per = 2 * kv_heads * head_dim * dtype_bytes
+    return CacheLayout(f"K and V: 2 x {kv_heads} KV heads x {head_dim}", per,
+                       2 * heads * head_dim * dtype_bytes, layers)
+
+
+def explain(model: str | None, dtype: str = "auto", block_size: int = 16,
+            kv_cache_memory_bytes: int | None = None) -> str:
+    from lane.config import CacheConfig, ModelConfig
+
+    plugins.load_general_plugins()
+    mc = ModelConfig(model, dtype=dtype)
+    cfg = mc.hf_config
+    lines = [f"model: {mc.gguf_file or mc.model_dir}", "", "1 · registry (which implementation serves it)"]
+    archs = mc.architectures
+    if not archs:
+        lines.append("  config.json has no `architectures`: nothing to look up in the registry "
+                     "(add the model class name, e.g. \"LlamaForCausalLM\")")
+    else:
+        lines.append(f"  architectures: {', '.join(archs)}")
+        entry = next(((a, ModelRegistry.get_entry(a)) for a in archs if ModelRegistry.get_entry(a)), None)
+        if entry is None:
+            lines.append(f"  registered: no. lane has no implementation for {archs[0]}; registered: "
+                         f"{', '.join(ModelRegistry.get_supported_archs())}")
+            lines.append(f"  a plugin can add one: ModelRegistry.register_model({archs[0]!r}, 'pkg.module:Class') "
+                         f"from a '{plugins.GENERAL_PLUGINS_GROUP}' entry point")
+        else:
+            arch, e = entry
+            lines.append(f"  registered: yes, {arch} by {e.source}")
+            lines.append(f"  implementation: {e.class_path}")
+            for old in e.overrode:
+                lines.append(f"  it overrode: {old.class_path} (from {old.source})")
+    if getattr(cfg, "load_error", None):
+        lines.append(f"  note: transformers cannot parse this config ({cfg.load_error.splitlines()[0]})")
+    choice = platform.select_attention_backend(cfg)
+    fields = {k: getattr(cfg, k, None) for k in ("kv_lora_rank", "index_topk", "compress_ratios",
+                                                 "num_key_value_heads", "num_attention_heads")}
+    lines += ["", "2 · attention backend (chosen from the config's fields)",
+              f"  backend: {choice.name} ({choice.reason})",
+              "  fields: " + ", ".join(f"{k}={v}" for k, v in fields.items())]
+    dtype_name = str(mc.dtype).removeprefix("torch.")
+    layout = cache_layout(cfg, choice.name, BYTES.get(dtype_name, 2))
+    per_block = layout.bytes_per_token_layer * layout.num_layers * block_size
+    budget = CacheConfig(block_size, True, kv_cache_memory_bytes).budget_bytes()
+    blocks = budget // per_block if per_block else 0
+    lines += [f"  KV cache per token per layer ({dtype_name}): {layout.what} = {layout.bytes_per_token_layer:,} B"]
+    if layout.full_kv_bytes_per_token_layer != layout.bytes_per_token_layer:
+        ratio = layout.full_kv_bytes_per_token_layer / layout.bytes_per_token_layer
+        lines.append(f"    (full K/V for every head would take {layout.full_kv_bytes_per_token_layer:,} B: "
+                     f"{ratio:.1f}x more)")
+    lines += [f"  per token, all {layout.num_layers} layers: {layout.bytes_per_token_layer * layout.num_layers:,} B; "
+              f"a block of {block_size} tokens: {per_block:,} B",
+              f"  budget {budget / 2**20:,.1f} MiB -> {blocks:,} blocks, one of them the null block "
+              f"({(blocks - 1) * block_size:,} tokens)"]
+    return "\n".join(lines)
