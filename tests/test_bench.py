@@ -94,7 +94,8 @@ def test_goodput_and_compare(fake_server, tmp_path):
     data = write_jsonl(tmp_path / "p.jsonl", [f"p {i}" for i in range(4)])
     for name, slo in (("a", "ttft:1000"), ("b", "ttft:50")):
         r = bench("--base-url", fake_server, "--dataset-name", "jsonl", "--dataset-path", data, "--num-prompts", "4",
-                  "--goodput", slo, "--result-dir", str(tmp_path / name))
+                  "--goodput", slo, "--save-result", "--result-dir", str(tmp_path / name),
+                  "--result-filename", "summary.json")
         assert r.returncode == 0, r.stderr
     a = json.loads((tmp_path / "a" / "summary.json").read_text())
     b = json.loads((tmp_path / "b" / "summary.json").read_text())

@@ -61,6 +61,9 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--metric-percentiles", default="50,75,90,99")
     g.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS", help="SLOs, e.g. ttft:500 tpot:50")
     g.add_argument("--result-dir", default=None, help="write summary.json, requests.csv and PNG plots here")
+    g.add_argument("--save-result", action="store_true",
+                   help="as vllm bench: save the results (to --result-dir, default the current directory)")
+    g.add_argument("--result-filename", default=None, help="name of the JSON summary (default summary.json)")
     g.add_argument("--disable-tqdm", action="store_true")
 
 
@@ -202,8 +205,9 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     result["warnings"] = warnings
     result["errors"] = errors
     print(report.format_table(result, selected, percentiles))
-    if args.result_dir:
+    if args.result_dir or args.save_result:
         title = f"{model} @ {base_url}, {args.dataset_name}, c={args.max_concurrency or 'inf'}"
-        paths = report.save(args.result_dir, result, outputs, title)
+        paths = report.save(args.result_dir or ".", result, outputs, title,
+                            args.result_filename or "summary.json")
         print(f"results: {', '.join(paths)}")
     return 0

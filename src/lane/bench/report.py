@@ -117,9 +117,10 @@ def write_plots(result_dir: str, outputs: list[RequestOutput], duration: float, 
     return paths
 
 
-def save(result_dir: str, result: dict, outputs: list[RequestOutput], title: str) -> list[str]:
+def save(result_dir: str, result: dict, outputs: list[RequestOutput], title: str,
+         json_name: str = "summary.json") -> list[str]:
     os.makedirs(result_dir, exist_ok=True)
-    json_path = os.path.join(result_dir, "summary.json")
+    json_path = os.path.join(result_dir, json_name)
     with open(json_path, "w") as f:
         json.dump(result, f, indent=2)
     csv_path = os.path.join(result_dir, "requests.csv")
