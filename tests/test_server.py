@@ -231,8 +231,9 @@ def test_disconnect_frees_kv_blocks(server):
     with httpx.Client(timeout=60) as h:
         streams = [h.stream("POST", server.url + "/v1/completions", json={**body, "seed": i}) for i in range(4)]
         responses = [s.__enter__() for s in streams]
-        for r in responses:  # a few tokens each, then hang up
-            lines = r.iter_lines()
+        # a few tokens each (the line iterators are kept: dropping one closes its response)
+        line_iters = [r.iter_lines() for r in responses]
+        for lines in line_iters:
             for _ in range(6):
                 next(lines)
         deadline = time.monotonic() + 5  # the gauges follow the engine's stats, a step behind
