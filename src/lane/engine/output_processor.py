@@ -103,7 +103,7 @@ class OutputProcessor:
         results = []
         for pid, state in touched.items():
             if state.stream or state.finished:
-                results.append(self._make_output(state, state.stream))
+                results.append(self._make_output(state))
             if state.finished:
                 self._remove(pid)
         return results, to_abort
@@ -126,11 +126,12 @@ class OutputProcessor:
                 entry[t] = Logprob(v, r, self.tokenizer.decode([t]))
         return entry
 
-    def _make_output(self, state: RequestState, delta: bool) -> RequestOutput:
+    def _make_output(self, state: RequestState) -> RequestOutput:
+        """Deltas since the last output for a streaming request, else the whole text."""
         outs = []
         for c in sorted(state.children.values(), key=lambda c: c.index):
             finished = c.finish_reason is not None
-            if delta:
+            if state.stream:
                 text = c.detok.get_delta(finished)
                 ids = c.token_ids[c.delta_start:]
                 lps = c.logprobs[c.delta_start:] if c.logprobs is not None else None
@@ -139,10 +140,9 @@ class OutputProcessor:
                 text, ids, lps = c.detok.output_text, list(c.token_ids), c.logprobs
             outs.append(CompletionOutput(c.index, text, ids, c.cumulative_logprob, lps,
                                          c.finish_reason, c.stop_reason))
-        metrics = {}
         first = min(state.children.values(), key=lambda c: c.index)
-        if state.finished and first.stats is not None:
-            metrics = first.stats.timing_ms(time.monotonic())
+        done = first.stats.finished if first.stats is not None else None
+        metrics = done.timing_ms() if state.finished and done is not None else {}
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outs,
                              state.finished, state.num_cached_tokens, metrics)
 

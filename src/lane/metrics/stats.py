@@ -31,6 +31,15 @@ class FinishedRequestStats:
     prefill_time: float
     decode_time: float
     inference_time: float
+    time_to_first_token: float
+
+    def timing_ms(self) -> dict[str, float]:
+        """Per-request timing, as vLLM's RequestOutput.metrics has it, in milliseconds."""
+        n = self.num_generation_tokens
+        mean_itl = self.decode_time / (n - 1) if n > 1 else 0.0
+        return {k: round(v * 1000, 3) for k, v in (
+            ("queue_ms", self.queued_time), ("prefill_ms", self.prefill_time), ("decode_ms", self.decode_time),
+            ("ttft_ms", self.time_to_first_token), ("e2e_ms", self.e2e_latency), ("mean_itl_ms", mean_itl))}
 
 
 @dataclass
@@ -52,6 +61,7 @@ class RequestStateStats:
     first_token_ts: float = 0.0
     last_token_ts: float = 0.0
     num_generation_tokens: int = 0
+    finished: FinishedRequestStats | None = None  # set by finish()
 
     def update(self, now: float, num_new: int, stats: IterationStats, num_prompt_tokens: int) -> None:
         if num_new == 0:
@@ -66,23 +76,14 @@ class RequestStateStats:
         self.num_generation_tokens += num_new
         stats.num_generation_tokens += num_new
 
-    def timing_ms(self, now: float) -> dict[str, float]:
-        """Per-request timing, as vLLM's RequestOutput.metrics has it, in milliseconds."""
-        scheduled = self.scheduled_ts or self.first_token_ts or now
-        first, last = self.first_token_ts or now, self.last_token_ts or now
-        out = {"queue_ms": (scheduled - (self.queued_ts or self.arrival_time)) * 1000,
-               "prefill_ms": (first - scheduled) * 1000, "decode_ms": (last - first) * 1000,
-               "ttft_ms": (first - self.arrival_time) * 1000, "e2e_ms": (now - self.arrival_time) * 1000,
-               "mean_itl_ms": (last - first) * 1000 / (self.num_generation_tokens - 1)
-               if self.num_generation_tokens > 1 else 0.0}
-        return {k: round(max(v, 0.0), 3) for k, v in out.items()}
-
     def finish(self, now: float, reason: str, num_prompt_tokens: int) -> FinishedRequestStats:
         scheduled = self.scheduled_ts or self.first_token_ts or now
         queued = self.queued_ts or self.arrival_time
         first = self.first_token_ts or now
         last = self.last_token_ts or now
-        return FinishedRequestStats(
-            reason, now - self.arrival_time, num_prompt_tokens, self.num_generation_tokens,
+        self.finished = FinishedRequestStats(
+            reason, max(now - self.arrival_time, 0.0), num_prompt_tokens, self.num_generation_tokens,
             queued_time=max(scheduled - queued, 0.0), prefill_time=max(first - scheduled, 0.0),
-            decode_time=max(last - first, 0.0), inference_time=max(last - scheduled, 0.0))
+            decode_time=max(last - first, 0.0), inference_time=max(last - scheduled, 0.0),
+            time_to_first_token=max(first - self.arrival_time, 0.0))
+        return self.finished
