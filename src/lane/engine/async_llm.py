@@ -5,7 +5,6 @@ run in their own processes behind AsyncMPClient (seed steps 10-14, 37-40, 50, 56
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -59,7 +58,6 @@ class AsyncLLM:
         self.log_stats = [LoggingStatLogger(i) for i in range(data_parallel_size)]
         self.log_stats_interval_s = log_stats_interval_s
         self.streams: dict[str, RequestStream] = {}
-        self._ids = itertools.count()
         self._log_task: asyncio.Task | None = None
         self.traces: TraceStore | None = None
         if args.enable_tracing:  # the seed's steps, kept for the last requests
@@ -104,9 +102,6 @@ class AsyncLLM:
         return self.client.all_alive
 
     # -- requests --------------------------------------------------------------
-    def new_request_id(self, prefix: str) -> str:
-        return f"{prefix}-{next(self._ids)}-{time.time_ns() % 10**9:09d}"
-
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, stream: bool, data_parallel_rank: int | None = None
                     ) -> RequestStream:

@@ -33,7 +33,6 @@ class EngineCoreRequest:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    arrival_time: float = 0.0
     cache_salt: str | None = None
 
 
@@ -70,9 +69,8 @@ class EngineCore:
 
     def add_request(self, req: EngineCoreRequest) -> None:
         """Queue a request the frontend's InputProcessor has validated (step 14)."""
-        self.scheduler.add_request(Request(
-            req.request_id, list(req.prompt_token_ids), req.sampling_params,
-            arrival_time=time.monotonic(), cache_salt=req.cache_salt))
+        self.scheduler.add_request(Request(  # its arrival_time: now, in the engine's queue
+            req.request_id, list(req.prompt_token_ids), req.sampling_params, cache_salt=req.cache_salt))
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -154,7 +152,6 @@ class EngineCoreOutputs:
     engine_index: int
     outputs: list[EngineCoreOutput]
     scheduler_stats: SchedulerStats | None = None
-    timestamp: float = 0.0
 
 
 class EngineCoreProc:
@@ -196,10 +193,9 @@ class EngineCoreProc:
         while True:
             kind, payload = sock.recv_multipart(copy=False)
             received = time.monotonic()
-            if kind.bytes == EngineCoreRequestType.ADD.value:
-                self.input_queue.put((EngineCoreRequestType.ADD, add_decoder.decode(payload.buffer), received))
-            else:
-                self.input_queue.put((EngineCoreRequestType.ABORT, abort_decoder.decode(payload.buffer), received))
+            kind = EngineCoreRequestType(kind.bytes)
+            decoder = add_decoder if kind is EngineCoreRequestType.ADD else abort_decoder
+            self.input_queue.put((kind, decoder.decode(payload.buffer), received))
 
     def _send(self, kind: EngineCoreOutputType, obj) -> None:
         self.output_socket.send_multipart((kind.value, self.encoder.encode(obj)), copy=False)
@@ -232,7 +228,7 @@ class EngineCoreProc:
             stats = self.core.scheduler.make_stats()
             if outputs or stats != self._last_stats:
                 t_send = time.monotonic()
-                payload = self.encoder.encode(EngineCoreOutputs(self.engine_index, outputs, stats, t_send))
+                payload = self.encoder.encode(EngineCoreOutputs(self.engine_index, outputs, stats))
                 t_encoded = time.monotonic()
                 self.output_socket.send_multipart((EngineCoreOutputType.OUTPUTS.value, payload), copy=False)
                 self._last_stats = stats

@@ -61,8 +61,7 @@ class Worker:
     @torch.inference_mode()
     def warmup(self) -> float:
         """Step 6: one prefill-shaped forward so oneDNN / MKL pick their kernels now."""
-        t0 = time.perf_counter()
-        t_start = time.monotonic()
+        t0 = time.monotonic()
         bs = self.config.cache_config.block_size
         n = min(64, self.config.scheduler_config.max_num_batched_tokens, bs * 2)
         ids = torch.zeros(n, dtype=torch.long)
@@ -76,8 +75,8 @@ class Worker:
             k[1:1 + -(-n // bs)].zero_()
             v[1:1 + -(-n // bs)].zero_()
         if tracer.enabled:
-            tracer.record(6, t_start, time.monotonic(), tokens=n)
-        return time.perf_counter() - t0
+            tracer.record(6, t0, time.monotonic(), tokens=n)
+        return time.monotonic() - t0
 
     def execute_model(self, sched: SchedulerOutput) -> dict[str, SamplerResult]:
         return self.runner.execute_model(sched)
