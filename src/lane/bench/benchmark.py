@@ -173,7 +173,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if not samples:
         print("lane bench: the dataset gave no prompts", file=sys.stderr)
         return 1
-    shared = shared_prefix_lengths([tok.encode(s.prompt) for s in samples])
+    shared = shared_prefix_lengths([s.prompt_token_ids for s in samples])
 
     before = server_metrics.scrape(base_url, headers)
     sampling = {k: v for k, v in (("temperature", args.temperature), ("top_p", args.top_p),

@@ -10,9 +10,12 @@ from dataclasses import dataclass
 @dataclass
 class SampleRequest:
     prompt: str
-    prompt_len: int
+    prompt_token_ids: list[int]  # as the tokenizer encodes the prompt (for lengths and shared prefixes)
     expected_output_len: int
-    shared_prefix_len: int = 0  # tokens this prompt shares with others (prefix dataset)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
 
 
 class BenchTokenizer:
@@ -69,21 +72,22 @@ class ServerTokenizer:
         return r.status_code == 200
 
 
-def exact_length_text(tok: BenchTokenizer, ids: list[int], rounds: int = 8) -> tuple[str, int]:
-    """Text that re-tokenises to len(ids) tokens: decoding then encoding random ids can
-    merge or split tokens, so trim or pad and try again (as vLLM's random dataset does)."""
+def exact_length_text(tok: BenchTokenizer, ids: list[int], rounds: int = 8) -> tuple[str, list[int]]:
+    """Text that re-tokenises to len(ids) tokens, and its token ids: decoding then encoding
+    random ids can merge or split tokens, so trim or pad and try again (as vLLM's random
+    dataset does)."""
     target = len(ids)
     text = tok.decode(ids)
     for _ in range(rounds):
         again = tok.encode(text)
         if len(again) == target:
-            return text, target
+            return text, again
         if len(again) > target:
             again = again[:target]
         else:
             again = again + ids[: target - len(again)]
         text = tok.decode(again)
-    return text, len(tok.encode(text))
+    return text, tok.encode(text)
 
 
 def random_token_ids(rng: random.Random, n: int, vocab_size: int) -> list[int]:
@@ -101,8 +105,8 @@ def random_dataset(tok: BenchTokenizer, num_prompts: int, input_len: int, output
     out = []
     for _ in range(num_prompts):
         n_in = _lengths(rng, input_len, range_ratio)
-        text, n = exact_length_text(tok, random_token_ids(rng, n_in, tok.vocab_size))
-        out.append(SampleRequest(text, n, _lengths(rng, output_len, range_ratio)))
+        text, ids = exact_length_text(tok, random_token_ids(rng, n_in, tok.vocab_size))
+        out.append(SampleRequest(text, ids, _lengths(rng, output_len, range_ratio)))
     return out
 
 
@@ -116,10 +120,8 @@ def prefix_dataset(tok: BenchTokenizer, num_prompts: int, num_groups: int, prefi
     for i in range(num_prompts):
         prefix = prefixes[i % num_groups]
         suffix = exact_length_text(tok, random_token_ids(rng, suffix_len, tok.vocab_size))[0]
-        # the prefix's own token count, measured the way the server will see the whole prompt
-        shared = len(tok.encode(prefix)) if prefix_len else 0
         text = prefix + suffix
-        out.append(SampleRequest(text, len(tok.encode(text)), output_len, shared_prefix_len=shared))
+        out.append(SampleRequest(text, tok.encode(text), output_len))
     return out
 
 
@@ -136,10 +138,11 @@ def sharegpt_dataset(tok: BenchTokenizer, path: str, num_prompts: int, output_le
     rng.shuffle(pairs)
     out = []
     for prompt, reply in pairs:
-        n_in, n_out = len(tok.encode(prompt)), output_len or len(tok.encode(reply))
-        if n_in < 4 or n_out < 4:  # vllm bench's filter: too short to measure
+        ids = tok.encode(prompt)
+        n_out = output_len or len(tok.encode(reply))
+        if len(ids) < 4 or n_out < 4:  # vllm bench's filter: too short to measure
             continue
-        out.append(SampleRequest(prompt, n_in, n_out))
+        out.append(SampleRequest(prompt, ids, n_out))
         if len(out) == num_prompts:
             break
     return out
@@ -159,7 +162,7 @@ def jsonl_dataset(tok: BenchTokenizer, path: str, num_prompts: int, output_len: 
             except (json.JSONDecodeError, KeyError, TypeError):
                 raise ValueError(f"{path}:{lineno}: expected {{\"prompt\": ..., \"max_tokens\": ...}}") from None
             n_out = int(row.get("max_tokens") or output_len or 128)
-            out.append(SampleRequest(prompt, len(tok.encode(prompt)), n_out))
+            out.append(SampleRequest(prompt, tok.encode(prompt), n_out))
             if len(out) == num_prompts:
                 break
     return out
