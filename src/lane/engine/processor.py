@@ -35,6 +35,10 @@ class InputProcessor:
             chat_template=chat_template)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
+    def check_token_ids(self, token_ids: list[int], param: str) -> None:
+        if not all(0 <= t < self.vocab_size for t in token_ids):
+            raise ParamError(param, f"{param}: token ids must lie in [0, {self.vocab_size})")
+
     def validate(self, prompt_token_ids: list[int], params: SamplingParams,
                  strict_max_tokens: bool = False) -> None:
         """Raise ParamError for a prompt the engine cannot serve. With strict_max_tokens
@@ -46,8 +50,7 @@ class InputProcessor:
         if n > self.max_model_len:
             raise ParamError("prompt", f"the prompt has {n} tokens, longer than the maximum "
                                        f"model length of {self.max_model_len}")
-        if not all(0 <= t < self.vocab_size for t in prompt_token_ids):
-            raise ParamError("prompt", f"prompt token ids must lie in [0, {self.vocab_size})")
+        self.check_token_ids(prompt_token_ids, "prompt")
         if strict_max_tokens and params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
             raise ParamError("max_tokens", (
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you "

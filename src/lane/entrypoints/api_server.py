@@ -153,9 +153,10 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     @app.post("/detokenize")
     async def detokenize(request: DetokenizeRequest):
         serving.check_model(request.model)
-        vocab = engine.processor.vocab_size
-        if any(not 0 <= t < vocab for t in request.tokens):
-            raise APIError(400, f"token ids must lie in [0, {vocab})", "BadRequestError", "tokens")
+        try:
+            engine.processor.check_token_ids(request.tokens, "tokens")
+        except ParamError as e:
+            raise bad_request(e) from None
         return {"prompt": engine.tokenizer.decode(request.tokens)}
 
     return app

@@ -54,15 +54,15 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 def cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from lane import LLM, SamplingParams
+    from lane.sampling_params import ParamError
 
     try:
         params = SamplingParams(
             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
             max_tokens=args.max_tokens, seed=args.sample_seed, stop=args.stop or None,
             ignore_eos=args.ignore_eos, repetition_penalty=args.repetition_penalty)
-    except ValueError as e:
-        flag = str(e).split()[0].replace("_", "-")
-        parser.error(f"--{flag}: {e}")
+    except ParamError as e:
+        parser.error(f"--{e.param.replace('_', '-')}: {e}")
     if args.quiet:
         set_level(logging.WARNING)
     try:

@@ -12,7 +12,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from lane.engine.async_llm import AsyncLLM, RequestStream
-from lane.engine.core_client import EngineDeadError
 from lane.entrypoints.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                        ChatCompletionResponse, ChatLogprobs, ChatLogprobToken,
                                        ChatResponseMessage, CompletionChoice,
@@ -135,22 +134,20 @@ class OpenAIServing:
         except ValueError as e:
             raise bad_request(e) from None
         rid = f"{prefix}-{uuid.uuid4().hex}"
+        # one engine request per prompt
+        sub_ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
         if tracer.enabled:  # steps 11 (body parsed and validated) and 12 (tokenised)
-            ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
             arrival = getattr(raw_request.state, "arrival", t_entry)
-            tracer.record(11, arrival, t_entry, ids, endpoint=raw_request.url.path, stream=request.stream)
-            tracer.record(12, t_entry, time.monotonic(), ids, prompt_tokens=sum(len(p) for _, p in prompts))
+            tracer.record(11, arrival, t_entry, sub_ids, endpoint=raw_request.url.path, stream=request.stream)
+            tracer.record(12, t_entry, time.monotonic(), sub_ids, prompt_tokens=sum(len(p) for _, p in prompts))
         handles = []
         try:
-            for i, ((text, ids), sp) in enumerate(zip(prompts, params)):
-                sub_id = rid if len(prompts) == 1 else f"{rid}-{i}"
+            for sub_id, (text, ids), sp in zip(sub_ids, prompts, params):
                 handles.append(self.engine.add_request(sub_id, text, ids, sp, request.stream,
                                                        request.data_parallel_rank))
-        except (ValueError, RuntimeError) as e:
+        except (ValueError, RuntimeError) as e:  # a bad pinned rank; no engine running (EngineDeadError)
             for h in handles:
                 self.engine.abort(h.request_id)
-            if isinstance(e, EngineDeadError):
-                raise APIError(503, str(e), "ServiceUnavailableError") from None
             if isinstance(e, ValueError):
                 raise APIError(400, str(e), "BadRequestError", "data_parallel_rank") from None
             raise APIError(503, str(e), "ServiceUnavailableError") from None
@@ -173,6 +170,36 @@ class OpenAIServing:
             return await until_disconnected(raw_request, collect())
         except Exception as e:
             raise engine_error(e) from None
+
+    @staticmethod
+    def _timing(finals: list[RequestOutput]) -> dict | list[dict]:
+        """return_timing: one request's timing, or one per prompt of a batched completion."""
+        return finals[0].metrics if len(finals) == 1 else [r.metrics for r in finals]
+
+    def _respond(self, resp: CompletionResponse | ChatCompletionResponse, request: SamplingRequest,
+                 finals: list[RequestOutput], handles: list[RequestStream]) -> JSONResponse:
+        """The non-streaming answer (step 39: the response written)."""
+        t0 = time.monotonic()
+        body = resp.model_dump()
+        if request.return_timing:
+            body["timing"] = self._timing(finals)
+        response = JSONResponse(body, headers=self._headers(handles))
+        for h in handles:
+            trace_chunk(h.request_id, t0, 0, len(resp.choices))
+        return response
+
+    @staticmethod
+    def _final_chunks(base: dict, request: SamplingRequest, prompt_tokens: int, completion_tokens: int,
+                      finals: list[RequestOutput]) -> list[str]:
+        """What a stream sends after its last token: usage, when asked; timing, when asked."""
+        chunks = []
+        if request.stream_options and request.stream_options.include_usage:
+            chunks.append(sse({**base, "choices": [], "usage": UsageInfo(
+                prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                total_tokens=prompt_tokens + completion_tokens).model_dump(exclude_none=True)}))
+        if request.return_timing:
+            chunks.append(sse({**base, "choices": [], "timing": OpenAIServing._timing(finals)}))
+        return chunks
 
     @staticmethod
     def _usage(finals: list[RequestOutput]) -> UsageInfo:
@@ -251,14 +278,7 @@ class OpenAIServing:
                     logprobs=self._completion_logprobs(c, num_lp, len(echo[i]))
                     if request.logprobs is not None else None))
         resp = CompletionResponse(id=rid, model=model, choices=choices, usage=self._usage(finals))
-        t0 = time.monotonic()
-        body = resp.model_dump()
-        if request.return_timing:
-            body["timing"] = finals[0].metrics if len(finals) == 1 else [r.metrics for r in finals]
-        response = JSONResponse(body, headers=self._headers(handles))
-        for h in handles:
-            trace_chunk(h.request_id, t0, 0, len(choices))
-        return response
+        return self._respond(resp, request, finals, handles)
 
     async def _stream_completion(self, rid: str, model: str, handles: list[RequestStream], n: int,
                                  echo: list[str], request: CompletionRequest, num_lp: int) -> AsyncIterator[str]:
@@ -292,15 +312,9 @@ class OpenAIServing:
                     trace_chunk(handles[i].request_id, t0, sent, len(choices))
                     sent += 1
                     yield chunk
-            if request.stream_options and request.stream_options.include_usage:
-                prompt = sum(len(r.prompt_token_ids) for r in finals if r)
-                completion = sum(map(sum, tokens))
-                yield sse({**base, "choices": [], "usage": UsageInfo(
-                    prompt_tokens=prompt, completion_tokens=completion,
-                    total_tokens=prompt + completion).model_dump(exclude_none=True)})
-            if request.return_timing:
-                timing = [r.metrics for r in finals if r] if len(finals) > 1 else finals[0].metrics
-                yield sse({**base, "choices": [], "timing": timing})
+            for chunk in self._final_chunks(base, request, sum(len(r.prompt_token_ids) for r in finals),
+                                            sum(map(sum, tokens)), finals):
+                yield chunk
         except Exception as e:  # an engine died mid-stream: say so in the stream
             yield sse(error_body(500, str(e), "InternalServerError"))
         yield "data: [DONE]\n\n"
@@ -331,13 +345,7 @@ class OpenAIServing:
                               logprobs=self._chat_logprobs(c, num_lp) if request.logprobs else None)
                    for c in finals[0].outputs]
         resp = ChatCompletionResponse(id=rid, model=model, choices=choices, usage=self._usage(finals))
-        t0 = time.monotonic()
-        body = resp.model_dump()
-        if request.return_timing:
-            body["timing"] = finals[0].metrics
-        response = JSONResponse(body, headers=self._headers(handles))
-        trace_chunk(rid, t0, 0, len(choices))
-        return response
+        return self._respond(resp, request, finals, handles)
 
     async def _stream_chat(self, rid: str, model: str, handle: RequestStream, n: int,
                            request: ChatCompletionRequest, num_lp: int) -> AsyncIterator[str]:
@@ -349,7 +357,7 @@ class OpenAIServing:
         try:
             yield sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                             "logprobs": None, "finish_reason": None} for i in range(n)]})
-            async for _, out in merge([self.engine.outputs(handle)]):
+            async for out in self.engine.outputs(handle):
                 final = out
                 choices = []
                 for c in out.outputs:
@@ -369,13 +377,9 @@ class OpenAIServing:
                     trace_chunk(handle.request_id, t0, sent, len(choices))
                     sent += 1
                     yield chunk
-            if request.stream_options and request.stream_options.include_usage and final is not None:
-                prompt = len(final.prompt_token_ids)
-                yield sse({**base, "choices": [], "usage": UsageInfo(
-                    prompt_tokens=prompt, completion_tokens=completion_tokens,
-                    total_tokens=prompt + completion_tokens).model_dump(exclude_none=True)})
-            if request.return_timing and final is not None:
-                yield sse({**base, "choices": [], "timing": final.metrics})
+            for chunk in self._final_chunks(base, request, len(final.prompt_token_ids), completion_tokens,
+                                            [final]):
+                yield chunk
         except Exception as e:
             yield sse(error_body(500, str(e), "InternalServerError"))
         yield "data: [DONE]\n\n"
