@@ -42,6 +42,10 @@ class RequestOutput:
         return None
 
 
+def endpoint_path(endpoint: str) -> str:
+    return "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+
+
 def build_body(req: RequestInput) -> dict:
     body = {"model": req.model, "max_tokens": req.max_tokens, "stream": True,
             "stream_options": {"include_usage": True}, **req.extra_body}

@@ -11,7 +11,7 @@ import httpx2 as httpx
 from tqdm import tqdm
 
 from lane.bench.datasets import SampleRequest
-from lane.bench.request import RequestInput, RequestOutput, send_request
+from lane.bench.request import RequestInput, RequestOutput, endpoint_path, send_request
 
 
 @dataclass
@@ -31,8 +31,7 @@ class LoadConfig:
 
     @property
     def url(self) -> str:
-        path = "/v1/chat/completions" if self.endpoint == "chat" else "/v1/completions"
-        return self.base_url.rstrip("/") + path
+        return self.base_url.rstrip("/") + endpoint_path(self.endpoint)
 
 
 def arrival_gaps(n: int, rate: float, rng: random.Random) -> list[float]:

@@ -9,6 +9,7 @@ import time
 
 import httpx2 as httpx
 
+from lane.bench.request import RequestInput, build_body, chunk_text, endpoint_path
 from lane.tracing import Span, span_dict
 from lane.tracing.export import chrome_trace, html_page
 
@@ -16,13 +17,9 @@ from lane.tracing.export import chrome_trace, html_page
 def send_traced_request(base_url: str, model: str, prompt: str, max_tokens: int, chat: bool,
                         headers: dict) -> tuple[str, list[dict]]:
     """Stream one request; returns (its id, the client's spans 10 and 40)."""
-    body = {"model": model, "max_tokens": max_tokens, "temperature": 0, "stream": True}
-    if chat:
-        body["messages"] = [{"role": "user", "content": prompt}]
-        url = base_url + "/v1/chat/completions"
-    else:
-        body["prompt"] = prompt
-        url = base_url + "/v1/completions"
+    endpoint = "chat" if chat else "completions"
+    url = base_url + endpoint_path(endpoint)
+    body = build_body(RequestInput(prompt, 0, max_tokens, model, endpoint, extra_body={"temperature": 0}))
     rid, first = None, None
     t_send = time.monotonic()
     with httpx.stream("POST", url, json=body, headers=headers, timeout=600) as r:
@@ -36,9 +33,7 @@ def send_traced_request(base_url: str, model: str, prompt: str, max_tokens: int,
             if "error" in chunk:
                 raise RuntimeError(f"the request failed: {chunk['error']}")
             rid = rid or chunk.get("id")
-            choices = chunk.get("choices") or [{}]
-            text = choices[0].get("text") or (choices[0].get("delta") or {}).get("content")
-            if text and first is None:
+            if chunk_text(chunk, endpoint) and first is None:
                 first = time.monotonic()
     if rid is None:
         raise RuntimeError("the response carried no request id")
