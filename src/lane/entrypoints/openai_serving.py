@@ -286,7 +286,7 @@ class OpenAIServing:
         finals: list[RequestOutput | None] = [None] * len(handles)
         tokens = [[0] * n for _ in handles]
         base = CompletionResponse(id=rid, model=model, choices=[]).model_dump(exclude={"usage"})
-        sent = 0
+        sent = [0] * len(handles)  # chunks sent per prompt: its first is step 39, later ones 50
         try:
             async for i, out in merge([self.engine.outputs(h) for h in handles]):
                 finals[i] = out
@@ -309,8 +309,8 @@ class OpenAIServing:
                 if choices:
                     t0 = time.monotonic()
                     chunk = sse({**base, "choices": choices})
-                    trace_chunk(handles[i].request_id, t0, sent, len(choices))
-                    sent += 1
+                    trace_chunk(handles[i].request_id, t0, sent[i], len(choices))
+                    sent[i] += 1
                     yield chunk
             for chunk in self._final_chunks(base, request, sum(len(r.prompt_token_ids) for r in finals),
                                             sum(map(sum, tokens)), finals):
