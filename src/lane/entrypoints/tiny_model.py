@@ -19,7 +19,7 @@ TINY = {  # name -> (transformers config class, model class, config fields)
                    head_dim=16)),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", DEEPSEEK),
     "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM",
-                     dict(DEEPSEEK, index_topk=16, index_n_heads=4, index_head_dim=32)),
+                     dict(DEEPSEEK, index_topk=16, index_n_heads=16, index_head_dim=32)),
 }
 
 

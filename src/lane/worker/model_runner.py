@@ -5,6 +5,7 @@ request's pending tokens go through the LM head and the sampler.
 """
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -24,28 +25,29 @@ class ModelRunner:
         self.block_size = block_size
         self.dtype = dtype
         self.device = device
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.num_layers = len(model.attention_layers())
+        self.kv_caches: list[torch.Tensor] = []
+        self.cache_layers = model.kv_cache_layers()
         config = getattr(model, "config", None)
+        self.num_layers = getattr(config, "num_hidden_layers", None) or len(self.cache_layers)
         backend = platform.select_attention_backend(config) if config is not None else None
         # what traces say about step 27
         self.attention_attrs = {27: {"backend": backend.name, "why": backend.reason}} if backend else {}
 
     # -- step 8: the cache tensors -------------------------------------------
     def kv_cache_bytes_per_block(self) -> int:
-        layers = self.model.attention_layers()
-        per_token = sum(2 * a.num_kv_heads * a.head_dim for a in layers)
-        return per_token * self.block_size * torch.tensor([], dtype=self.dtype).element_size()
+        elems = sum(math.prod(shape) for layer in self.cache_layers
+                    for shape in layer.cache_shapes(self.block_size).values())
+        return elems * torch.tensor([], dtype=self.dtype).element_size()
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = []
-        for attn in self.model.attention_layers():
-            shape = (num_blocks, attn.num_kv_heads, self.block_size, attn.head_dim)
-            # zeroed: padded and not-yet-written slots are read (then masked), and
-            # must hold finite values
-            attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            self.kv_caches.append((attn.k_cache, attn.v_cache))
+        for layer in self.cache_layers:
+            for name, shape in layer.cache_shapes(self.block_size).items():
+                # zeroed: padded and not-yet-written slots are read (then masked), and
+                # must hold finite values
+                t = torch.zeros((num_blocks, *shape), dtype=self.dtype, device=self.device)
+                setattr(layer, name, t)
+                self.kv_caches.append(t)
 
     # -- step 20: inputs ---------------------------------------------------------
     def _prepare(self, sched: SchedulerOutput):

@@ -71,9 +71,8 @@ class Worker:
                                prefills=[PrefillSpan(0, n, 0, torch.arange(1, 1 + -(-n // bs)))])
         with set_attention_metadata(md):
             self.model.compute_logits(self.model(ids, pos)[-1:])
-        for k, v in self.runner.kv_caches:
-            k[1:1 + -(-n // bs)].zero_()
-            v[1:1 + -(-n // bs)].zero_()
+        for cache in self.runner.kv_caches:
+            cache[1:1 + -(-n // bs)].zero_()
         if tracer.enabled:
             tracer.record(6, t0, time.monotonic(), tokens=n)
         return time.monotonic() - t0

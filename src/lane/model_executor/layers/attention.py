@@ -78,7 +78,17 @@ def decode_attention_torch(q, k_cache, v_cache, block_tables, context_lens, scal
     return torch.matmul(p, v).reshape(B, H, D)
 
 
-class Attention(nn.Module):
+class CacheLayer(nn.Module):
+    """A module that keeps per-token state in the paged cache (K/V, an MLA latent,
+    indexer keys). The runner allocates ``[num_blocks, *shape]`` for every entry of
+    ``cache_shapes`` and sets it as the attribute of that name; every cache layer
+    shares the requests' block tables."""
+
+    def cache_shapes(self, block_size: int) -> dict[str, tuple[int, ...]]:
+        raise NotImplementedError
+
+
+class Attention(CacheLayer):
     """Writes this layer's K/V into the paged cache, then attends."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
@@ -89,6 +99,10 @@ class Attention(nn.Module):
         self.scale = scale
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+
+    def cache_shapes(self, block_size: int) -> dict[str, tuple[int, ...]]:
+        shape = (self.num_kv_heads, block_size, self.head_dim)
+        return {"k_cache": shape, "v_cache": shape}
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KV, D] -> [T, H*D]"""

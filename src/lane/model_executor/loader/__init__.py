@@ -66,6 +66,8 @@ def get_model(model_config: ModelConfig, load_threads: int = 4, progress: bool =
         files = safetensors_files(model_config.model_dir)
         with tqdm(total=count_tensors(files), desc=desc, disable=not progress, unit="tensor") as bar:
             load_safetensors(files, consume, load_threads, on_tensor=bar.update)
+    if hasattr(model, "finish_loading"):
+        model.finish_loading(loaded)
     missing = [n for n, _ in model.named_parameters() if n not in loaded
                and not (n == "lm_head.weight" and getattr(model_config.hf_config, "tie_word_embeddings", False))]
     if missing:

@@ -138,41 +138,46 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
-    def attention_layers(self) -> list[Attention]:
-        return [m for m in self.modules() if isinstance(m, Attention)]
+    def kv_cache_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors (HF names) in, fusing q/k/v and gate/up."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        tied = getattr(self.config, "tie_word_embeddings", False)
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
-                continue
-            parts = name.split(".")
-            target, shard = name, None
-            if len(parts) >= 2 and parts[-2] in self.stacked_params:
-                fused, shard = self.stacked_params[parts[-2]]
-                target = ".".join(parts[:-2] + [fused, parts[-1]])
-            if target not in params:
-                raise KeyError(f"checkpoint tensor {name} has no place in {type(self).__name__}")
-            param = params[target]
-            with torch.no_grad():
-                if shard is None:
-                    if param.shape != tensor.shape:
-                        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != "
-                                         f"model shape {tuple(param.shape)}")
-                    param.copy_(tensor)
-                else:
-                    sizes = self._shard_sizes(target)
-                    start = sum(sizes[:shard])
-                    param.narrow(0, start, sizes[shard]).copy_(tensor)
-            loaded.add(target)
+            target = self.load_weight(params, name, tensor)
+            if target is not None:
+                loaded.add(target)
         return loaded
 
-    def _shard_sizes(self, fused_name: str) -> list[int]:
+    def load_weight(self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> str | None:
+        """One tensor into its parameter (or its shard of a fused one); returns the
+        parameter's name, or None for a tensor that is not kept."""
+        if "rotary_emb.inv_freq" in name or (
+                getattr(self.config, "tie_word_embeddings", False) and name == "lm_head.weight"):
+            return None
+        parts = name.split(".")
+        target, shard = name, None
+        if len(parts) >= 2 and parts[-2] in self.stacked_params:
+            fused, shard = self.stacked_params[parts[-2]]
+            target = ".".join(parts[:-2] + [fused, parts[-1]])
+        if target not in params:
+            raise KeyError(f"checkpoint tensor {name} has no place in {type(self).__name__}")
+        param = params[target]
+        with torch.no_grad():
+            if shard is None:
+                if param.shape != tensor.shape:
+                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != "
+                                     f"model shape {tuple(param.shape)}")
+                param.copy_(tensor)
+            else:
+                sizes = self._shard_sizes(target, param)
+                param.narrow(0, sum(sizes[:shard]), sizes[shard]).copy_(tensor)
+        return target
+
+    def _shard_sizes(self, fused_name: str, param: torch.Tensor) -> list[int]:
         if ".qkv_proj." in fused_name:
             a = self.model.layers[0].self_attn
             return [a.q_size, a.kv_size, a.kv_size]
-        inter = self.config.intermediate_size
-        return [inter, inter]
+        return [param.shape[0] // 2] * 2  # gate_up_proj

@@ -50,7 +50,7 @@ inline float fast_exp(float x) {
   return p * scale;
 }
 
-constexpr int64_t kMaxD = 512;
+constexpr int64_t kMaxD = 1024;  // MLA decode: latent 512 + rope 64
 constexpr int64_t kMaxBS = 256;
 
 // One pass over the request's blocks with a per-block online softmax: K and V
@@ -329,7 +329,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
                                      torch::Tensor block_tables, torch::Tensor context_lens,
                                      double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q [B,H,D], cache [NB,KVH,BS,D]");
-  TORCH_CHECK(q.size(2) <= kMaxD, "head_dim above 512");
+  TORCH_CHECK(q.size(2) <= kMaxD, "head_dim above 1024");
   TORCH_CHECK(k_cache.size(2) <= kMaxBS, "block size above 256");
   q = q.contiguous();
   auto tables = block_tables.to(torch::kInt64).contiguous();

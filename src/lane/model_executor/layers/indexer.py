@@ -1,0 +1,101 @@
+"""DeepSeek Sparse Attention's lightning indexer (seed step 25).
+
+For every query token it scores all of that request's earlier tokens,
+``score[t] = sum_h w_h * relu(q_h . k_t) / sqrt(d)``, with its own small query
+heads (from the q LoRA), one shared key per token (``wk`` + LayerNorm, kept in
+its own paged cache next to the MLA latent), and per-head weights from the
+hidden state. Attention then covers only the top ``index_topk`` tokens. When a
+query's causal context is no longer than ``index_topk`` every token is selected,
+so the result equals dense MLA.
+
+The reference rotates with a Hadamard transform and scores in FP8; the
+transform is orthogonal (dot products unchanged), so, as transformers does, the
+scores are computed directly, in float32.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from lane import tracing
+from lane.model_executor.layers.attention import CacheLayer, gather_blocks, get_attention_metadata
+from lane.model_executor.layers.linear import Linear
+from lane.model_executor.layers.rotary_embedding import RotaryEmbedding
+
+_SCORE_CHUNK_ELEMS = 1 << 26  # bounds a prefill chunk's [rows, heads, context] score tensor
+
+
+@dataclass
+class SparseSelection:
+    """Which cached tokens each query row may attend to; None where it is all of them."""
+    decode_topk: torch.Tensor | None = None  # [num_decodes, k] token positions
+    decode_valid: torch.Tensor | None = None  # [num_decodes, k] False where the context was shorter
+    prefill_masks: list[torch.Tensor | None] = field(default_factory=list)  # per chunk: [n, total] bool
+
+
+class Indexer(CacheLayer):
+    def __init__(self, hidden_size: int, q_lora_rank: int, n_heads: int, head_dim: int, topk: int,
+                 rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.head_dim = head_dim
+        self.topk = topk
+        self.softmax_scale = head_dim ** -0.5
+        self.wq_b = Linear(q_lora_rank, n_heads * head_dim, bias=False)
+        self.wk = Linear(hidden_size, head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(head_dim, eps=1e-6)
+        # float32 as in the reference (it steers a discrete choice)
+        self.weights_proj = Linear(hidden_size, n_heads, bias=False, dtype=torch.float32)
+        self._rotary = (rotary,)  # shared with the model, not a submodule of this one
+        self.k_cache = torch.empty(0)
+
+    def cache_shapes(self, block_size: int) -> dict[str, tuple[int, ...]]:
+        return {"k_cache": (1, block_size, self.head_dim)}
+
+    def forward(self, rope, x: torch.Tensor, q_resid: torch.Tensor) -> SparseSelection:
+        """x [T, hidden] (the layer's normed input), q_resid [T, q_lora_rank]."""
+        md = get_attention_metadata()
+        T = x.shape[0]
+        q = self.wq_b(q_resid).view(T, self.n_heads, self.head_dim)
+        k = self.k_norm(self.wk(x)).view(T, 1, self.head_dim)
+        q, k = self._rotary[0](rope, q, k)  # half-split rope on the first rope dims
+        k = k.view(T, self.head_dim)
+        kc = self.k_cache
+        if kc.numel():
+            bs = kc.shape[2]
+            kc[md.slot_mapping // bs, 0, md.slot_mapping % bs] = k
+        weights = self.weights_proj(x.float()) * self.n_heads ** -0.5  # [T, H]
+        sel = SparseSelection()
+        nd = md.num_decodes
+        if nd and int(md.decode_context_lens.max()) > self.topk:
+            keys = gather_blocks(kc, md.decode_block_tables)[:, 0]  # [B, L, D]
+            scores = self._scores(q[:nd], weights[:nd], keys)  # [B, L]
+            pad = torch.arange(keys.shape[1])[None, :] >= md.decode_context_lens.long()[:, None]
+            top = scores.masked_fill_(pad, float("-inf")).topk(self.topk, dim=-1)
+            sel.decode_topk, sel.decode_valid = top.indices, top.values > float("-inf")
+        for span in md.prefills:
+            s, e = span.query_start, span.query_end
+            total = span.num_computed + (e - s)
+            if total <= self.topk:
+                sel.prefill_masks.append(None)
+                continue
+            keys = gather_blocks(kc, span.block_ids)[0, :total] if kc.numel() else k[s:e]
+            causal = torch.arange(total)[None, :] <= torch.arange(span.num_computed, total)[:, None]
+            scores = torch.cat([self._scores(q[r:r + rows], weights[r:r + rows], keys)
+                                for r, rows in self._row_chunks(s, e, total)])
+            top = scores.masked_fill_(~causal, float("-inf")).topk(self.topk, dim=-1).indices
+            chosen = torch.zeros_like(causal).scatter_(1, top, True)
+            sel.prefill_masks.append(chosen & causal)
+        tracing.forward_mark()(25)
+        return sel
+
+    def _row_chunks(self, start: int, end: int, total: int):
+        rows = max(1, _SCORE_CHUNK_ELEMS // (self.n_heads * total))
+        return [(r, min(rows, end - r)) for r in range(start, end, rows)]
+
+    def _scores(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """q [R, H, D], weights [R, H], keys [L, D] or [R, L, D] -> index scores [R, L]"""
+        s = torch.relu(torch.matmul(q.float(), keys.float().transpose(-1, -2)) * self.softmax_scale)  # [R, H, L]
+        return torch.matmul(weights.unsqueeze(-2), s).squeeze(-2)

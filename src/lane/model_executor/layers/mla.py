@@ -1,0 +1,125 @@
+"""Multi-head latent attention on a latent paged cache (seed steps 24 and 27).
+
+The cache keeps, per token per layer, only the normalised KV latent
+(``kv_lora_rank``) and the roped shared key (``qk_rope_head_dim``):
+``[num_blocks, 1, block_size, kv_lora_rank + rope]``. Full K/V for every head
+never reach the cache.
+
+- Prefill chunks expand the latent of the whole context through ``kv_b_proj``
+  into per-head K and V and run ordinary attention (compute-bound: the expanded
+  form is cheaper when many queries share the keys).
+- Decodes use the absorbed form: ``W_UK`` is folded into the query, so each head
+  attends in latent space against the cache as it is (one shared "KV head" of
+  width ``kv_lora_rank + rope``), and ``W_UV`` maps the latent output back to
+  ``v_head_dim``. Memory-bound decode then reads 576 values per token (DeepSeek
+  V3) instead of 128 heads x 384.
+
+With a lightning indexer (DSA, DeepSeek V3.2) the attention covers only the
+tokens it selected; see ``indexer.py``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lane import tracing
+from lane.model_executor.layers import cpu_kernels
+from lane.model_executor.layers.attention import (CacheLayer, PrefillSpan, decode_attention_torch,
+                                                  gather_blocks, get_attention_metadata)
+from lane.model_executor.layers.indexer import SparseSelection
+from lane.model_executor.layers.linear import Linear
+
+
+class MLAAttention(CacheLayer):
+    def __init__(self, num_heads: int, kv_lora_rank: int, qk_nope_head_dim: int, qk_rope_head_dim: int,
+                 v_head_dim: int, scale: float, kv_b_proj: Linear) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.kv_lora_rank = kv_lora_rank
+        self.qk_nope_head_dim = qk_nope_head_dim
+        self.qk_rope_head_dim = qk_rope_head_dim
+        self.v_head_dim = v_head_dim
+        self.scale = scale
+        self._kv_b_proj = (kv_b_proj,)  # a tuple: owned (and loaded) by the model's attention module
+        self._absorbed: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.kv_cache = torch.empty(0)
+
+    def cache_shapes(self, block_size: int) -> dict[str, tuple[int, ...]]:
+        return {"kv_cache": (1, block_size, self.kv_lora_rank + self.qk_rope_head_dim)}
+
+    @property
+    def kv_b_proj(self) -> Linear:
+        return self._kv_b_proj[0]
+
+    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_UK [H, nope, latent], W_UV^T [H, latent, v]) from kv_b_proj, made once
+        (the weights are fixed after loading)."""
+        if self._absorbed is None:
+            w = self.kv_b_proj.weight.detach().view(
+                self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+            self._absorbed = (w[:, :self.qk_nope_head_dim].contiguous(),
+                              w[:, self.qk_nope_head_dim:].transpose(1, 2).contiguous())
+        return self._absorbed
+
+    def forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
+                sparse: SparseSelection | None = None) -> torch.Tensor:
+        """q_nope [T, H, nope], q_pe [T, H, rope] (roped), latent [T, kv_lora_rank]
+        (normalised), k_pe [T, rope] (roped) -> [T, H * v_head_dim]"""
+        md = get_attention_metadata()
+        T = q_nope.shape[0]
+        entry = torch.cat((latent, k_pe), dim=-1)  # what one token keeps
+        kc = self.kv_cache
+        if kc.numel():  # step 24: latents into their slots
+            bs = kc.shape[2]
+            kc[md.slot_mapping // bs, 0, md.slot_mapping % bs] = entry
+        mark = tracing.forward_mark()
+        mark(24)
+        out = q_nope.new_empty(T, self.num_heads, self.v_head_dim)
+        nd = md.num_decodes
+        if nd:
+            out[:nd] = self._decode(q_nope[:nd], q_pe[:nd], md, sparse)
+        for i, span in enumerate(md.prefills):
+            s, e = span.query_start, span.query_end
+            mask = sparse.prefill_masks[i] if sparse is not None else None
+            out[s:e] = self._prefill(q_nope[s:e], q_pe[s:e], entry[s:e], span, mask)
+        mark(27)
+        return out.view(T, -1)
+
+    def _prefill(self, q_nope, q_pe, entry, span: PrefillSpan, sparse_mask) -> torch.Tensor:
+        n, H = q_nope.shape[0], self.num_heads
+        total = span.num_computed + n
+        ctx = gather_blocks(self.kv_cache, span.block_ids)[0, :total] if self.kv_cache.numel() else entry
+        kv = self.kv_b_proj(ctx[:, :self.kv_lora_rank]).view(total, H, -1)
+        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        k = torch.cat((k_nope, ctx[:, None, self.kv_lora_rank:].expand(total, H, self.qk_rope_head_dim)), -1)
+        q = torch.cat((q_nope, q_pe), dim=-1)
+        mask, causal = None, True
+        if sparse_mask is not None:
+            mask, causal = sparse_mask, False  # already causal
+        elif span.num_computed:
+            mask = torch.arange(total)[None, :] <= torch.arange(span.num_computed, total)[:, None]
+            causal = False
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                           v.transpose(0, 1)[None], attn_mask=mask, is_causal=causal,
+                                           scale=self.scale)
+        return o[0].transpose(0, 1)
+
+    def _decode(self, q_nope, q_pe, md, sparse: SparseSelection | None) -> torch.Tensor:
+        w_uk, w_uv_t = self.absorbed_weights()
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [B, H, latent]
+        q = torch.cat((q_lat, q_pe), dim=-1).contiguous()
+        kc = self.kv_cache
+        if sparse is not None and sparse.decode_topk is not None:
+            bs = kc.shape[2]
+            pos = sparse.decode_topk
+            blocks = md.decode_block_tables.gather(1, pos // bs)
+            sel = kc[blocks, 0, pos % bs]  # [B, k, latent + rope]: only the chosen tokens
+            s = torch.einsum("bhd,bkd->bhk", q, sel).float() * self.scale
+            s.masked_fill_(~sparse.decode_valid[:, None, :], float("-inf"))
+            o_lat = torch.einsum("bhk,bkd->bhd", torch.softmax(s, dim=-1).to(q.dtype),
+                                 sel[..., :self.kv_lora_rank])
+        else:  # MQA over the cache as it is: K = the whole entry, V = its latent part
+            args = (q, kc, kc, md.decode_block_tables, md.decode_context_lens, self.scale)
+            o = cpu_kernels.decode_attention(*args) if cpu_kernels.usable(q) else decode_attention_torch(*args)
+            o_lat = o[..., :self.kv_lora_rank]
+        return torch.bmm(o_lat.transpose(0, 1), w_uv_t).transpose(0, 1)  # [B, H, v]

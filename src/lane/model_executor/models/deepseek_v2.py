@@ -1,0 +1,273 @@
+"""DeepSeek V3 and V3.2: MLA on a latent cache, DeepSeekMoE, and (V3.2) DSA.
+
+- Attention: q through a LoRA (``q_a_proj`` -> RMSNorm -> ``q_b_proj``) or one
+  ``q_proj``; K/V compressed to a ``kv_lora_rank`` latent plus one shared roped
+  key. ``q_a_proj`` and ``kv_a_proj_with_mqa`` read the same input and are fused
+  into one matmul. The cache and the attention itself are ``layers/mla.py``.
+- Rope: DeepSeek rotates interleaved pairs. At load time the rope rows of the
+  projections are reordered (evens, then odds), which turns it into the usual
+  half-split rope with equal dot products (transformers does the same reorder on
+  the fly); the q projection's rows are also regrouped to [every head's nope |
+  every head's rope] so both parts are plain views.
+- FFN: the first ``first_k_dense_replace`` layers are a dense MLP, the rest
+  routed experts (``layers/fused_moe.py``) plus shared experts.
+- V3.2 adds the lightning indexer (``layers/indexer.py``) to every layer.
+- The MTP layer (``num_nextn_predict_layers``, checkpoint layer index
+  ``num_hidden_layers``) is loaded into ``self.mtp`` for speculative decoding.
+"""
+from __future__ import annotations
+
+import logging
+import re
+from typing import Iterable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lane import tracing
+from lane.model_executor.layers.fused_moe import FusedMoE, grouped_topk
+from lane.model_executor.layers.indexer import Indexer
+from lane.model_executor.layers.layernorm import RMSNorm
+from lane.model_executor.layers.linear import Linear
+from lane.model_executor.layers.mla import MLAAttention
+from lane.model_executor.layers.rotary_embedding import RotaryEmbedding
+from lane.model_executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
+
+logger = logging.getLogger(__name__)
+
+
+def yarn_mscale(scale: float, mscale: float) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * torch.log(torch.tensor(scale)).item() + 1.0
+
+
+def mla_softmax_scale(config) -> float:
+    """qk_head_dim^-0.5, times mscale(factor, mscale_all_dim)^2 under yarn (the
+    reference's correction for the longer context)."""
+    scale = (config.qk_nope_head_dim + config.qk_rope_head_dim) ** -0.5
+    params = getattr(config, "rope_parameters", None) or {}
+    if params.get("rope_type", "default") != "default" and params.get("mscale_all_dim"):
+        m = yarn_mscale(params["factor"], params["mscale_all_dim"])
+        scale *= m * m
+    return scale
+
+
+class DeepseekV2MLAAttention(nn.Module):
+    def __init__(self, config, rotary: RotaryEmbedding, use_indexer: bool) -> None:
+        super().__init__()
+        H = self.num_heads = config.num_attention_heads
+        self.q_lora_rank = getattr(config, "q_lora_rank", None)
+        self.kv_lora_rank = config.kv_lora_rank
+        self.nope, self.rope_dim = config.qk_nope_head_dim, config.qk_rope_head_dim
+        self.v_head_dim = config.v_head_dim
+        bias = getattr(config, "attention_bias", False)
+        hidden = config.hidden_size
+        q_out = H * (self.nope + self.rope_dim)
+        if self.q_lora_rank:
+            self.fused_qkv_a_proj = Linear(hidden, self.q_lora_rank + self.kv_lora_rank + self.rope_dim, bias=bias)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, 1e-6)
+            self.q_b_proj = Linear(self.q_lora_rank, q_out, bias=False)
+        else:
+            self.q_proj = Linear(hidden, q_out, bias=False)
+            self.kv_a_proj_with_mqa = Linear(hidden, self.kv_lora_rank + self.rope_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, 1e-6)
+        self.kv_b_proj = Linear(self.kv_lora_rank, H * (self.nope + self.v_head_dim), bias=False)
+        self.o_proj = Linear(H * self.v_head_dim, hidden, bias=bias)
+        self.rotary = rotary
+        self.attn = MLAAttention(H, self.kv_lora_rank, self.nope, self.rope_dim, self.v_head_dim,
+                                 mla_softmax_scale(config), self.kv_b_proj)
+        self.indexer = (Indexer(hidden, self.q_lora_rank, config.index_n_heads, config.index_head_dim,
+                                config.index_topk, rotary) if use_indexer else None)
+
+    def forward(self, rope, x: torch.Tensor) -> torch.Tensor:
+        T, H = x.shape[0], self.num_heads
+        q_resid = None
+        if self.q_lora_rank:
+            q_c, kv_a = self.fused_qkv_a_proj(x).split([self.q_lora_rank, self.kv_lora_rank + self.rope_dim], -1)
+            q_resid = self.q_a_layernorm(q_c.contiguous())
+            q = self.q_b_proj(q_resid)
+        else:
+            q, kv_a = self.q_proj(x), self.kv_a_proj_with_mqa(x)
+        q_nope = q[:, :H * self.nope].view(T, H, self.nope)
+        q_pe = q[:, H * self.nope:].view(T, H, self.rope_dim)
+        latent = self.kv_a_layernorm(kv_a[:, :self.kv_lora_rank].contiguous())
+        k_pe = kv_a[:, self.kv_lora_rank:].contiguous().view(T, 1, self.rope_dim)
+        q_pe, k_pe = self.rotary(rope, q_pe, k_pe)
+        mark = tracing.forward_mark()
+        mark(23)
+        sparse = self.indexer(rope, x, q_resid) if self.indexer is not None else None  # mark 25
+        out = self.attn(q_nope, q_pe, latent, k_pe.view(T, self.rope_dim), sparse)  # marks 24, 27
+        out = self.o_proj(out)
+        mark(28)
+        return out
+
+
+class DeepseekV2MoE(nn.Module):
+    """Routed experts behind DeepSeek's gate, plus the always-on shared experts."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        E, hidden = config.n_routed_experts, config.hidden_size
+        self.top_k = config.num_experts_per_tok
+        self.scoring_func = getattr(config, "scoring_func", "sigmoid")
+        self.n_group, self.topk_group = getattr(config, "n_group", None), getattr(config, "topk_group", None)
+        self.renormalize = getattr(config, "norm_topk_prob", True)
+        self.routed_scaling_factor = getattr(config, "routed_scaling_factor", 1.0)
+        self.gate = nn.Module()  # float32, as the reference keeps it: it makes a discrete choice
+        self.gate.weight = nn.Parameter(torch.empty(E, hidden, dtype=torch.float32), requires_grad=False)
+        self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(E, dtype=torch.float32), requires_grad=False)
+        self.experts = FusedMoE(E, self.top_k, hidden, config.moe_intermediate_size)
+        n_shared = getattr(config, "n_shared_experts", 0) or 0
+        self.shared_experts = (LlamaMLP(hidden, config.moe_intermediate_size * n_shared, False)
+                               if n_shared else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(x.float(), self.gate.weight)
+        weights, ids = grouped_topk(
+            logits, self.top_k, scoring_func=self.scoring_func, correction_bias=self.gate.e_score_correction_bias,
+            num_expert_group=self.n_group, topk_group=self.topk_group, renormalize=self.renormalize,
+            routed_scaling_factor=self.routed_scaling_factor)
+        tracing.forward_mark()(29)
+        out = self.experts(x, weights, ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+def is_moe_layer(config, layer_idx: int) -> bool:
+    types = getattr(config, "mlp_layer_types", None)
+    if types and layer_idx < len(types):
+        return types[layer_idx] == "sparse"
+    return bool(getattr(config, "n_routed_experts", None)) and layer_idx >= getattr(config, "first_k_dense_replace", 0)
+
+
+class DeepseekV2DecoderLayer(LlamaDecoderLayer):
+    def __init__(self, config, rotary: RotaryEmbedding, layer_idx: int) -> None:
+        nn.Module.__init__(self)
+        # V3.2: every layer has a lightning indexer
+        self.self_attn = DeepseekV2MLAAttention(config, rotary, bool(getattr(config, "index_topk", None)))
+        self.mlp = (DeepseekV2MoE(config) if is_moe_layer(config, layer_idx)
+                    else LlamaMLP(config.hidden_size, config.intermediate_size, False))
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class DeepseekMTPLayer(DeepseekV2DecoderLayer):
+    """The multi-token-prediction block: mixes the next token's embedding with the
+    main model's last hidden state, then one decoder layer and its own head. Kept
+    loaded for speculative decoding; its embedding is the main model's."""
+
+    def __init__(self, config, rotary: RotaryEmbedding, layer_idx: int) -> None:
+        super().__init__(config, rotary, layer_idx)
+        self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.eh_proj = Linear(2 * config.hidden_size, config.hidden_size, bias=False)
+        self.shared_head = nn.Module()
+        self.shared_head.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.shared_head.head = Linear(config.hidden_size, config.vocab_size, bias=False)
+
+
+class DeepseekV2Model(LlamaModel):
+    def __init__(self, config, max_position: int) -> None:
+        nn.Module.__init__(self)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary = RotaryEmbedding(config, config.qk_rope_head_dim, max_position)
+        self.layers = nn.ModuleList(DeepseekV2DecoderLayer(config, self.rotary, i)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+class DeepseekV3ForCausalLM(LlamaForCausalLM):
+    model_cls = DeepseekV2Model
+    rope_interleave_always = False
+
+    def __init__(self, config, max_position: int | None = None) -> None:
+        super().__init__(config, max_position)
+        self.stacked_params = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+        if getattr(config, "q_lora_rank", None):
+            self.stacked_params.update(q_a_proj=("fused_qkv_a_proj", 0), kv_a_proj_with_mqa=("fused_qkv_a_proj", 1))
+        n_mtp = getattr(config, "num_nextn_predict_layers", 0) or 0
+        self.mtp = nn.ModuleList(DeepseekMTPLayer(config, self.model.rotary, config.num_hidden_layers + i)
+                                 for i in range(n_mtp))
+
+    def kv_cache_layers(self) -> list[nn.Module]:
+        attns = [layer.self_attn for layer in self.model.layers]
+        return [a.attn for a in attns] + [a.indexer for a in attns if a.indexer is not None]
+
+    def moe_layers(self) -> dict[int, FusedMoE]:
+        return {i: layer.mlp.experts for i, layer in enumerate(self.model.layers)
+                if isinstance(layer.mlp, DeepseekV2MoE)}
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            name = self._mtp_name(name)
+            if name is None:
+                continue
+            if m := _EXPERT.match(name):  # one expert of a checkpoint's per-expert tensors
+                prefix, e, proj = m.group(1), int(m.group(2)), m.group(3)
+                param = params[f"{prefix}.{'w2' if proj == 'down_proj' else 'w13'}"][e]
+                inter = param.shape[0] // 2
+                dst = param if proj == "down_proj" else param.narrow(0, inter * (proj == "up_proj"), inter)
+                with torch.no_grad():
+                    dst.copy_(tensor)
+                loaded.add(f"{prefix}.{'w2' if proj == 'down_proj' else 'w13'}")
+                continue
+            if name.endswith(".mlp.experts.gate_up_proj") or name.endswith(".mlp.experts.down_proj"):
+                name = name.rsplit(".", 1)[0] + (".w13" if name.endswith("gate_up_proj") else ".w2")
+            elif name.endswith((".q_b_proj.weight", ".q_proj.weight")):
+                tensor = self._regroup_q(tensor)
+            elif ".kv_a_proj_with_mqa." in name:
+                tensor = torch.cat((tensor[:self.config.kv_lora_rank],
+                                    self._deinterleave(tensor[self.config.kv_lora_rank:])))
+            target = self.load_weight(params, name, tensor)
+            if target is not None:
+                loaded.add(target)
+        return loaded
+
+    def finish_loading(self, loaded: set[str]) -> None:
+        """A checkpoint without the MTP layer (transformers does not save it) drops it."""
+        if len(self.mtp) and not any(n.startswith("mtp.") for n in loaded):
+            logger.info("checkpoint has no MTP layer (num_nextn_predict_layers=%d): not kept", len(self.mtp))
+            self.mtp = nn.ModuleList()
+
+    def _mtp_name(self, name: str) -> str | None:
+        """model.layers.{N + i}.* (N = num_hidden_layers) -> mtp.{i}.*; None to skip."""
+        m = re.match(r"model\.layers\.(\d+)\.(.*)", name)
+        if not m or int(m.group(1)) < self.config.num_hidden_layers:
+            return name
+        i = int(m.group(1)) - self.config.num_hidden_layers
+        if i >= len(self.mtp):
+            logger.debug("skipping %s: the config has no MTP layer %d", name, i)
+            return None
+        if m.group(2) == "embed_tokens.weight":  # a copy of the main embedding
+            return None
+        return f"mtp.{i}.{m.group(2)}"
+
+    def _deinterleave(self, rows: torch.Tensor) -> torch.Tensor:
+        """Interleaved rope rows (x0, x1), (x2, x3), ... -> evens then odds."""
+        if not (self.rope_interleave_always or getattr(self.config, "rope_interleave", True)):
+            return rows
+        return torch.cat((rows[0::2], rows[1::2]))
+
+    def _regroup_q(self, w: torch.Tensor) -> torch.Tensor:
+        """[H * (nope + rope), in] -> [H * nope | H * rope (de-interleaved)]"""
+        c = self.config
+        w = w.view(c.num_attention_heads, c.qk_nope_head_dim + c.qk_rope_head_dim, -1)
+        rope = torch.stack([self._deinterleave(h) for h in w[:, c.qk_nope_head_dim:]])
+        return torch.cat((w[:, :c.qk_nope_head_dim].reshape(-1, w.shape[-1]), rope.reshape(-1, w.shape[-1])))
+
+    def _shard_sizes(self, fused_name: str, param: torch.Tensor) -> list[int]:
+        if ".fused_qkv_a_proj." in fused_name:
+            c = self.config
+            return [c.q_lora_rank, c.kv_lora_rank + c.qk_rope_head_dim]
+        return super()._shard_sizes(fused_name, param)
+
+
+class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
+    """V3.2 = V3 + the lightning indexer in every layer (chosen by ``index_topk``)."""
+    rope_interleave_always = True  # its main attention always rotates interleaved pairs
