@@ -86,3 +86,27 @@ def make_tiny_checkpoint(arch: str, out_dir, tokenizer, max_shard_size=None, **o
     model.save_pretrained(out_dir, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     tokenizer.save_pretrained(out_dir)
     return str(out_dir)
+
+
+def assert_logprobs_match_hf(llm, hf, prompts: list[list[int]], n_new: int, case: str = "",
+                             tol: float = 2e-4) -> None:
+    """lane's greedy tokens, and its top-5 logprobs at every step, against one HF
+    forward over prompt + generated tokens (float32)."""
+    from lane import SamplingParams
+
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=n_new, logprobs=5, ignore_eos=True),
+                        use_tqdm=False)
+    for ids, out in zip(prompts, outs):
+        gen = out.outputs[0].token_ids
+        assert len(gen) == n_new
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids + gen])).logits[0].float().log_softmax(-1)
+        for t, tok in enumerate(gen):
+            row = ref[len(ids) - 1 + t]
+            assert tok == int(row.argmax()), (case, len(ids), t)
+            lane_lp = out.outputs[0].logprobs[t]
+            ref_top = row.topk(5)
+            for tid, val in zip(ref_top.indices.tolist(), ref_top.values.tolist()):
+                assert tid in lane_lp
+                assert lane_lp[tid].logprob == pytest.approx(val, abs=tol), (case, len(ids), t, tid)

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from lane import LLM, SamplingParams
-from conftest import make_tiny_checkpoint
+from lane import LLM
+from conftest import assert_logprobs_match_hf, make_tiny_checkpoint
 
 CASES = {
     "llama": dict(),
@@ -38,20 +38,4 @@ def _check_against_hf(case, tmp_path, smollm_tokenizer, max_shard_size=None):
     assert type(llm.engine.worker.model).__name__ == hf.config.architectures[0]
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (5, 17, 40)]
-    n_new = 8
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=n_new, logprobs=5, ignore_eos=True),
-                        use_tqdm=False)
-    for ids, out in zip(prompts, outs):
-        gen = out.outputs[0].token_ids
-        assert len(gen) == n_new
-        with torch.no_grad():
-            ref = hf(torch.tensor([ids + gen])).logits[0].float().log_softmax(-1)
-        for t, tok in enumerate(gen):
-            row = ref[len(ids) - 1 + t]
-            assert tok == int(row.argmax()), (case, t)
-            lane_lp = out.outputs[0].logprobs[t]
-            ref_top = row.topk(5)
-            for tid, val in zip(ref_top.indices.tolist(), ref_top.values.tolist()):
-                assert tid in lane_lp
-                assert lane_lp[tid].logprob == pytest.approx(val, abs=2e-4), (case, t, tid)
+    assert_logprobs_match_hf(llm, hf, prompts, 8, case)

@@ -219,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     tm.add_argument("arch", choices=["llama", "qwen3", "deepseek_v3", "deepseek_v32"])
     tm.add_argument("out_dir")
     tm.add_argument("--seed", type=int, default=0)
+    tm.add_argument("--fp8", action="store_true",
+                    help="DeepSeek only: store linear weights FP8 block-quantised (weight_scale_inv), as released")
     args = parser.parse_args(argv)
     if args.command == "explain":
         from lane.entrypoints.explain import explain
@@ -233,7 +235,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "tiny-model":
         from lane.entrypoints.tiny_model import write_tiny_model
 
-        print(f"wrote {write_tiny_model(args.arch, args.out_dir, args.seed)}")
+        try:
+            print(f"wrote {write_tiny_model(args.arch, args.out_dir, args.seed, fp8=args.fp8)}")
+        except ValueError as e:
+            tm.error(str(e))
         return 0
     if args.command == "trace":
         return cmd_trace(args, tr)

@@ -1,8 +1,17 @@
 """``lane tiny-model ARCH OUT_DIR``: a small random checkpoint that transformers'
 AutoModelForCausalLM loads, with SmolLM2's tokenizer (vocabulary 49,152; bos 1, eos 2),
-so these architectures run end to end on a laptop."""
+so these architectures run end to end on a laptop.
+
+DeepSeek checkpoints also get what the released ones have and transformers does
+not write: a non-zero ``e_score_correction_bias`` (so ``noaux_tc`` routing is
+exercised) and the MTP layer's weights (``model-mtp.safetensors``, ignored by
+transformers). ``--fp8`` stores the linear weights FP8 block-quantised with
+``weight_scale_inv``, as DeepSeek releases them (lane dequantises on load;
+transformers needs its FP8 integration for it).
+"""
 from __future__ import annotations
 
+import json
 import os
 
 COMMON = dict(vocab_size=49152, hidden_size=64, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,
@@ -10,7 +19,8 @@ COMMON = dict(vocab_size=49152, hidden_size=64, max_position_embeddings=1024, bo
 DEEPSEEK = dict(intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3, first_k_dense_replace=1,
                 n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1,
                 routed_scaling_factor=2.5, norm_topk_prob=True, num_attention_heads=4, num_key_value_heads=4,
-                q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+                q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                num_nextn_predict_layers=1)
 TINY = {  # name -> (transformers config class, model class, config fields)
     "llama": ("LlamaConfig", "LlamaForCausalLM",
               dict(intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)),
@@ -18,26 +28,105 @@ TINY = {  # name -> (transformers config class, model class, config fields)
               dict(intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                    head_dim=16)),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", DEEPSEEK),
+    # 16 indexer heads: index scores are sums of relus, and with few heads many tokens
+    # score exactly 0, whose top-k order is then arbitrary
     "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM",
                      dict(DEEPSEEK, index_topk=16, index_n_heads=16, index_head_dim=32)),
 }
+FP8_BLOCK = (32, 32)  # small blocks so a tiny weight spans several, some partial (releases use 128)
 
 
-def write_tiny_model(arch: str, out_dir: str, seed: int = 0) -> str:
+def write_tiny_model(arch: str, out_dir: str, seed: int = 0, fp8: bool = False, **overrides) -> str:
     import torch
     import transformers
+    from safetensors.torch import load_file, save_file
 
     from lane.config import ModelConfig
 
     if arch not in TINY:
         raise ValueError(f"unknown architecture {arch!r}; choose from {', '.join(TINY)}")
+    if fp8 and not arch.startswith("deepseek"):
+        raise ValueError("--fp8 is for the DeepSeek architectures (their releases are FP8 block-quantised)")
     cfg_name, model_name, fields = TINY[arch]
     torch.manual_seed(seed)
-    config = getattr(transformers, cfg_name)(**COMMON, **fields, architectures=[model_name])
+    config = getattr(transformers, cfg_name)(**{**COMMON, **fields, **overrides}, architectures=[model_name])
     model = getattr(transformers, model_name)(config).eval()
+    deepseek = arch.startswith("deepseek")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:  # initialised to 0 / 1: make them count
+                p.add_(torch.randn_like(p) * 0.1)
+        for layer in model.model.layers if deepseek else ():
+            if hasattr(layer.mlp, "gate"):
+                layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1)
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir)
     model.generation_config.bos_token_id, model.generation_config.eos_token_id = 1, 2
     model.generation_config.save_pretrained(out_dir)
     ModelConfig(None).get_tokenizer().save_pretrained(out_dir)  # SmolLM2's, from the packaged GGUF
+    if deepseek:
+        main = os.path.join(out_dir, "model.safetensors")
+        tensors = load_file(main)
+        mtp = _mtp_tensors(tensors, config)
+        save_file(quantize_checkpoint(mtp, FP8_BLOCK) if fp8 else mtp, os.path.join(out_dir, "model-mtp.safetensors"))
+        if fp8:
+            save_file(quantize_checkpoint(tensors, FP8_BLOCK), main, metadata={"format": "pt"})
+            cfg_path = os.path.join(out_dir, "config.json")
+            with open(cfg_path) as f:
+                cfg = json.load(f)
+            cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                          "weight_block_size": list(FP8_BLOCK)}
+            with open(cfg_path, "w") as f:
+                json.dump(cfg, f, indent=2)
     return out_dir
+
+
+def _mtp_tensors(tensors: dict, config) -> dict:
+    """Layer ``num_hidden_layers``: a decoder layer (a copy of the last one, perturbed)
+    plus enorm / hnorm / eh_proj / shared_head and the copy of the embedding that
+    DeepSeek's checkpoints carry."""
+    import torch
+
+    n, h = config.num_hidden_layers, config.hidden_size
+    last = f"model.layers.{n - 1}."
+    out = {f"model.layers.{n}." + k[len(last):]: (v + 0.01 * torch.randn_like(v)).contiguous()
+           for k, v in tensors.items() if k.startswith(last)}
+    mtp = f"model.layers.{n}."
+    out[mtp + "enorm.weight"] = torch.ones(h) + 0.1 * torch.randn(h)
+    out[mtp + "hnorm.weight"] = torch.ones(h) + 0.1 * torch.randn(h)
+    out[mtp + "eh_proj.weight"] = 0.1 * torch.randn(h, 2 * h)
+    out[mtp + "shared_head.norm.weight"] = torch.ones(h)
+    out[mtp + "shared_head.head.weight"] = 0.1 * torch.randn(config.vocab_size, h)
+    out[mtp + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    return out
+
+
+def _quantizable(name: str, t) -> bool:
+    """The linear weights DeepSeek stores in FP8: not embeddings, head, norms or the router."""
+    return (t.dim() == 2 and name.endswith(".weight") and "embed_tokens" not in name and "lm_head" not in name
+            and ".mlp.gate." not in name and "norm" not in name and "weights_proj" not in name)
+
+
+def quantize_block_fp8(w, block: tuple[int, int]):
+    """float [N, K] -> (float8_e4m3fn [N, K], float32 scale_inv [ceil(N/bn), ceil(K/bk)])."""
+    import torch
+
+    n, k = w.shape
+    bn, bk = block
+    nb, kb = -(-n // bn), -(-k // bk)
+    padded = torch.zeros(nb * bn, kb * bk)
+    padded[:n, :k] = w.float()
+    blocks = padded.view(nb, bn, kb, bk)
+    scale = (blocks.abs().amax(dim=(1, 3)) / 448.0).clamp(min=1e-12)  # e4m3's largest normal is 448
+    q = (blocks / scale[:, None, :, None]).view(nb * bn, kb * bk)[:n, :k].to(torch.float8_e4m3fn)
+    return q.contiguous(), scale
+
+
+def quantize_checkpoint(tensors: dict, block: tuple[int, int]) -> dict:
+    out = {}
+    for name, t in tensors.items():
+        if _quantizable(name, t):
+            out[name], out[name + "_scale_inv"] = quantize_block_fp8(t, block)
+        else:
+            out[name] = t
+    return out

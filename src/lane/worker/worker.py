@@ -73,6 +73,9 @@ class Worker:
             self.model.compute_logits(self.model(ids, pos)[-1:])
         for cache in self.runner.kv_caches:
             cache[1:1 + -(-n // bs)].zero_()
+        if hasattr(self.model, "moe_layers"):  # expert heat counts served tokens only
+            for moe in self.model.moe_layers().values():
+                moe.expert_counts.zero_()
         if tracer.enabled:
             tracer.record(6, t0, time.monotonic(), tokens=n)
         return time.monotonic() - t0

@@ -63,9 +63,16 @@ def get_model(model_config: ModelConfig, load_threads: int = 4, progress: bool =
         from lane.model_executor.loader.safetensors_loader import (count_tensors, load_safetensors,
                                                                    safetensors_files)
 
+        from lane.model_executor.loader.fp8 import Fp8Dequantizer, block_size_of
+
         files = safetensors_files(model_config.model_dir)
+        fp8 = Fp8Dequantizer(consume, block_size_of(model_config.hf_config))
         with tqdm(total=count_tensors(files), desc=desc, disable=not progress, unit="tensor") as bar:
-            load_safetensors(files, consume, load_threads, on_tensor=bar.update)
+            load_safetensors(files, fp8, load_threads, on_tensor=bar.update)
+        fp8.finish()
+        if fp8.num_dequantized:
+            logger.info("Dequantised %d fp8 block-quantised weights to %s", fp8.num_dequantized,
+                        str(model_config.dtype).removeprefix("torch."))
     if hasattr(model, "finish_loading"):
         model.finish_loading(loaded)
     missing = [n for n, _ in model.named_parameters() if n not in loaded
