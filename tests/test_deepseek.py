@@ -163,3 +163,42 @@ def test_expert_heat_counts_every_routed_token(tiny):
     for m in moe.values():
         assert int(m.expert_counts.sum()) == rows * 2  # num_experts_per_tok = 2
         assert int((m.expert_counts > 0).sum()) >= 2
+
+
+def test_trace_has_indexer_and_router_steps(tiny):
+    from lane.tracing import tracer
+
+    llm = LLM(tiny("v32"), dtype="float32", kv_cache_memory_bytes=8 << 20, show_progress=False)
+    try:
+        tracer.enable(layer_detail=True)
+        tracer.drain()
+        llm.generate([{"prompt_token_ids": _prompts((40,))[0]}],
+                     SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+        spans = tracer.drain()
+    finally:
+        tracer.enabled = tracer.layer_detail = False
+        tracer.drain()
+    forwards = sum(s.step == 20 for s in spans)
+    assert forwards == 3
+    for step, per_forward in ((23, 3), (24, 3), (25, 3), (27, 3), (28, 3), (29, 2), (30, 3)):
+        assert sum(s.step == step for s in spans) == per_forward * forwards, step  # 3 layers, 2 of them MoE
+    attn = next(s for s in spans if s.step == 27)
+    assert attn.attrs.get("backend") == "sparse_mla", attn.attrs
+
+
+def test_served_over_openai_api_equals_offline(tiny):
+    """`lane serve` on a V3.2 checkpoint: the real openai client gets the offline engine's
+    greedy text (sparse path: the prompt is longer than index_topk)."""
+    from utils import RemoteServer
+
+    d = tiny("v32")
+    ids = _prompts((40,), seed=7)[0]
+    offline = LLM(d, dtype="float32", kv_cache_memory_bytes=8 << 20, show_progress=False).generate(
+        [{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+        use_tqdm=False)[0].outputs[0]
+    with RemoteServer([d, "--dtype", "float32", "--kv-cache-memory-bytes", str(8 << 20)]) as s:
+        client = s.client()
+        out = client.completions.create(model=client.models.list().data[0].id, prompt=ids, max_tokens=16,
+                                        temperature=0, extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 16
+    assert out.choices[0].text == offline.text

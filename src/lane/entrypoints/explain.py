@@ -66,6 +66,12 @@ def explain(model: str | None, dtype: str = "auto", block_size: int = 16,
             lines.append(f"  implementation: {e.class_path}")
             for old in e.overrode:
                 lines.append(f"  it overrode: {old.class_path} (from {old.source})")
+    qc = getattr(cfg, "quantization_config", None)
+    if qc:
+        qc = qc if isinstance(qc, dict) else qc.to_dict()
+        block = "x".join(str(b) for b in qc.get("weight_block_size") or ())
+        lines.append(f"  weights: {qc.get('quant_method', '?')} {qc.get('fmt', '')} block-quantised {block} "
+                     f"(weight_scale_inv): dequantised on load to {str(mc.dtype).removeprefix('torch.')}")
     if getattr(cfg, "load_error", None):
         lines.append(f"  note: transformers cannot parse this config ({cfg.load_error.splitlines()[0]})")
     choice = platform.select_attention_backend(cfg)

@@ -114,10 +114,9 @@ class MLAAttention(CacheLayer):
             pos = sparse.decode_topk
             blocks = md.decode_block_tables.gather(1, pos // bs)
             sel = kc[blocks, 0, pos % bs]  # [B, k, latent + rope]: only the chosen tokens
-            s = torch.einsum("bhd,bkd->bhk", q, sel).float() * self.scale
+            s = torch.bmm(q, sel.transpose(1, 2)).float() * self.scale  # [B, H, k]
             s.masked_fill_(~sparse.decode_valid[:, None, :], float("-inf"))
-            o_lat = torch.einsum("bhk,bkd->bhd", torch.softmax(s, dim=-1).to(q.dtype),
-                                 sel[..., :self.kv_lora_rank])
+            o_lat = torch.bmm(torch.softmax(s, dim=-1).to(q.dtype), sel[..., :self.kv_lora_rank])
         else:  # MQA over the cache as it is: K = the whole entry, V = its latent part
             args = (q, kc, kc, md.decode_block_tables, md.decode_context_lens, self.scale)
             o = cpu_kernels.decode_attention(*args) if cpu_kernels.usable(q) else decode_attention_torch(*args)
