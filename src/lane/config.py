@@ -139,6 +139,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     kv_cache_memory_bytes: int | None = None  # None: a quarter of free RAM, at most 4 GiB
     num_blocks: int | None = None  # set when the pool is sized
+    num_state_slots: int = 0  # running-state slots (compressed attention), set by the engine
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

@@ -120,8 +120,14 @@ class BlockPool:
 class KVCacheManager:
     """Per-request block tables on top of the BlockPool."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 num_state_slots: int = 0) -> None:
         self.block_size = block_size
+        # running-state slots (compressed attention's pending windows), one per running
+        # request, like a Mamba state; slot 0 is never handed out
+        self.num_state_slots = num_state_slots
+        self.free_state_slots = list(range(num_state_slots - 1, 0, -1))
+        self.req_state_slot: dict[str, int] = {}
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_blocks: dict[str, list[KVCacheBlock]] = {}
@@ -170,6 +176,9 @@ class KVCacheManager:
         """Blocks for ``num_new_tokens`` more tokens (step 18 / 42), or None if
         the pool cannot supply them (the caller then preempts)."""
         new_computed_blocks = new_computed_blocks or []
+        needs_slot = self.num_state_slots and req.request_id not in self.req_state_slot
+        if needs_slot and not self.free_state_slots:
+            return None
         blocks = self.req_blocks.setdefault(req.request_id, [])
         num_computed = req.num_computed_tokens + len(new_computed_blocks) * self.block_size
         total_blocks = -(-(num_computed + num_new_tokens) // self.block_size)
@@ -178,6 +187,8 @@ class KVCacheManager:
         num_evictable_touched = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if num_new + num_evictable_touched > self.pool.num_free_blocks:
             return None
+        if needs_slot:
+            self.req_state_slot[req.request_id] = self.free_state_slots.pop()
         if new_computed_blocks:
             self.pool.touch(new_computed_blocks)
             blocks.extend(new_computed_blocks)
@@ -206,7 +217,12 @@ class KVCacheManager:
         """Step 52: release a finished or preempted request's blocks."""
         blocks = self.req_blocks.pop(req.request_id, [])
         self.num_cached_blocks.pop(req.request_id, None)
+        if (slot := self.req_state_slot.pop(req.request_id, None)) is not None:
+            self.free_state_slots.append(slot)
         self.pool.free_blocks(reversed(blocks))
+
+    def state_slot(self, req: Request) -> int:
+        return self.req_state_slot.get(req.request_id, 0)
 
     def get_block_ids(self, req: Request) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(req.request_id, ())]

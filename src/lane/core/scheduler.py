@@ -25,6 +25,8 @@ class ScheduledRequest:
     request: Request
     num_tokens: int  # tokens computed for it this step
     block_ids: list[int]
+    state_slot: int = 0  # its running-state slot (models with compressed attention), 0 = none
+    fresh: bool = False  # first chunk since (re)admission: the running state starts anew here
 
     @property
     def samples(self) -> bool:
@@ -73,7 +75,7 @@ class Scheduler:
         self.config = scheduler_config
         self.max_model_len = scheduler_config.max_model_len
         self.kv = KVCacheManager(cache_config.num_blocks, cache_config.block_size,
-                                 cache_config.enable_prefix_caching)
+                                 cache_config.enable_prefix_caching, cache_config.num_state_slots)
         self.eos_token_ids = set(eos_token_ids or [])
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -117,7 +119,7 @@ class Scheduler:
                     break
             if req.status != RequestStatus.RUNNING:
                 break
-            out.scheduled.append(ScheduledRequest(req, n, self.kv.get_block_ids(req)))
+            out.scheduled.append(ScheduledRequest(req, n, self.kv.get_block_ids(req), self.kv.state_slot(req)))
             if tracer.enabled:
                 self._trace_running(req, n, t_alloc)
             budget -= n
@@ -154,7 +156,8 @@ class Scheduler:
             if not req.scheduled_ts:
                 req.scheduled_ts = time.monotonic()
             self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, n, self.kv.get_block_ids(req)))
+            out.scheduled.append(ScheduledRequest(req, n, self.kv.get_block_ids(req), self.kv.state_slot(req),
+                                                  fresh=True))
             budget -= n
         return out
 

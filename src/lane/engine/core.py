@@ -45,6 +45,7 @@ class EngineCore:
         t_pool = time.monotonic()
         cc.num_blocks = self.worker.determine_num_blocks()
         self.worker.initialize_cache(cc.num_blocks)
+        cc.num_state_slots = self.worker.runner.num_state_slots
         if tracer.enabled:  # step 8
             tracer.record(8, t_pool, time.monotonic(), blocks=cc.num_blocks - 1, block_size=cc.block_size,
                           budget_mib=round(cc.budget_bytes() / 2**20, 1))

@@ -216,11 +216,11 @@ def main(argv: list[str] | None = None) -> int:
     ex.add_argument("--kv-cache-memory-bytes", type=parse_bytes, default=None)
 
     tm = sub.add_parser("tiny-model", help="write a small random checkpoint of an architecture (SmolLM2's tokenizer)")
-    tm.add_argument("arch", choices=["llama", "qwen3", "deepseek_v3", "deepseek_v32"])
+    tm.add_argument("arch", choices=["llama", "qwen3", "deepseek_v3", "deepseek_v32", "deepseek_v4"])
     tm.add_argument("out_dir")
     tm.add_argument("--seed", type=int, default=0)
     tm.add_argument("--fp8", action="store_true",
-                    help="DeepSeek only: store linear weights FP8 block-quantised (weight_scale_inv), as released")
+                    help="DeepSeek V3 / V3.2 only: store linear weights FP8 block-quantised (weight_scale_inv), as released")
     args = parser.parse_args(argv)
     if args.command == "explain":
         from lane.entrypoints.explain import explain

@@ -33,6 +33,23 @@ TINY = {  # name -> (transformers config class, model class, config fields)
     "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM",
                      dict(DEEPSEEK, index_topk=16, index_n_heads=16, index_head_dim=32)),
 }
+# DEEPSEEK_V4.md §6: every layer type (SWA, CSA rate 4 with a top-8 indexer, HCA rate 16),
+# hash and learned MoE, mHC with 4 streams; both ropes (yarn "compress")
+DEEPSEEK_V4 = dict(
+    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1, head_dim=32, partial_rotary_factor=0.25,
+    q_lora_rank=32, o_groups=2, o_lora_rank=16,
+    layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                 "compressed_sparse_attention"],
+    mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
+    sliding_window=16, index_n_heads=16, index_head_dim=16, index_topk=8, n_routed_experts=8,
+    num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32, scoring_func="sqrtsoftplus",
+    routed_scaling_factor=1.5, swiglu_limit=10.0, hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6,
+    rope_theta=10000.0, compress_rope_theta=160000.0,
+    rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
+                  "beta_fast": 32, "beta_slow": 1},
+    max_position_embeddings=1048576, num_nextn_predict_layers=1)
+TINY["deepseek_v4"] = ("DeepseekV4Config", "DeepseekV4ForCausalLM", DEEPSEEK_V4)
 FP8_BLOCK = (32, 32)  # small blocks so a tiny weight spans several, some partial (releases use 128)
 
 
@@ -45,13 +62,15 @@ def write_tiny_model(arch: str, out_dir: str, seed: int = 0, fp8: bool = False, 
 
     if arch not in TINY:
         raise ValueError(f"unknown architecture {arch!r}; choose from {', '.join(TINY)}")
-    if fp8 and not arch.startswith("deepseek"):
-        raise ValueError("--fp8 is for the DeepSeek architectures (their releases are FP8 block-quantised)")
+    if fp8 and arch not in ("deepseek_v3", "deepseek_v32"):
+        raise ValueError("--fp8 is for deepseek_v3 and deepseek_v32 (released FP8 block-quantised)")
     cfg_name, model_name, fields = TINY[arch]
     torch.manual_seed(seed)
     config = getattr(transformers, cfg_name)(**{**COMMON, **fields, **overrides}, architectures=[model_name])
     model = getattr(transformers, model_name)(config).eval()
-    deepseek = arch.startswith("deepseek")
+    deepseek = arch in ("deepseek_v3", "deepseek_v32")
+    if arch == "deepseek_v4":
+        _v4_nonzero(model, seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:  # initialised to 0 / 1: make them count
@@ -79,6 +98,24 @@ def write_tiny_model(arch: str, out_dir: str, seed: int = 0, fp8: bool = False, 
             with open(cfg_path, "w") as f:
                 json.dump(cfg, f, indent=2)
     return out_dir
+
+
+def _v4_nonzero(model, seed: int) -> None:
+    """transformers zeroes these at init (DEEPSEEK_V4.md §6): make them count. Hash
+    routing gets distinct random experts per token; embeddings and head N(0, 1) widen
+    the argmax margins."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+            if name.endswith("tid2eid"):
+                E, k = model.config.n_routed_experts, p.shape[1]
+                p.copy_(torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(p.shape[0])]))
+            elif name.endswith(("sinks", "position_bias", "e_score_correction_bias", ".base", "hc_base")):
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            elif name.endswith(("embed_tokens.weight", "lm_head.weight")):
+                p.copy_(torch.randn(p.shape, generator=g))
 
 
 def _mtp_tensors(tensors: dict, config) -> dict:

@@ -20,7 +20,7 @@ from lane.tracing import tracer
 
 class ModelRunner:
     def __init__(self, model: nn.Module, block_size: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, max_num_seqs: int = 128) -> None:
         self.model = model
         self.block_size = block_size
         self.dtype = dtype
@@ -29,15 +29,16 @@ class ModelRunner:
         self.cache_layers = model.kv_cache_layers()
         config = getattr(model, "config", None)
         self.num_layers = getattr(config, "num_hidden_layers", None) or len(self.cache_layers)
+        # one running-state slot per running request (+ slot 0, unused), if any layer keeps state
+        self.num_state_slots = max_num_seqs + 1 if any(l.state_shapes() for l in self.cache_layers) else 0
         backend = platform.select_attention_backend(config) if config is not None else None
         # what traces say about step 27
         self.attention_attrs = {27: {"backend": backend.name, "why": backend.reason}} if backend else {}
 
     # -- step 8: the cache tensors -------------------------------------------
     def kv_cache_bytes_per_block(self) -> int:
-        elems = sum(math.prod(shape) for layer in self.cache_layers
-                    for shape in layer.cache_shapes(self.block_size).values())
-        return elems * torch.tensor([], dtype=self.dtype).element_size()
+        return sum(math.prod(shape) * (layer.cache_dtype(name) or self.dtype).itemsize
+                   for layer in self.cache_layers for name, shape in layer.cache_shapes(self.block_size).items())
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = []
@@ -45,15 +46,19 @@ class ModelRunner:
             for name, shape in layer.cache_shapes(self.block_size).items():
                 # zeroed: padded and not-yet-written slots are read (then masked), and
                 # must hold finite values
-                t = torch.zeros((num_blocks, *shape), dtype=self.dtype, device=self.device)
+                t = torch.zeros((num_blocks, *shape), dtype=layer.cache_dtype(name) or self.dtype,
+                                device=self.device)
                 setattr(layer, name, t)
                 self.kv_caches.append(t)
+            for name, shape in layer.state_shapes().items():
+                setattr(layer, name, torch.zeros((self.num_state_slots, *shape), device=self.device))
 
     # -- step 20: inputs ---------------------------------------------------------
     def _prepare(self, sched: SchedulerOutput):
         bs = self.block_size
-        order = sorted(sched.scheduled, key=lambda s: s.num_tokens != 1)  # decodes first, stable
-        decodes = [s for s in order if s.num_tokens == 1]
+        # decodes first (stable); a fresh request's first chunk is a prefill even at one token
+        order = sorted(sched.scheduled, key=lambda s: s.num_tokens != 1 or s.fresh)
+        decodes = [s for s in order if s.num_tokens == 1 and not s.fresh]
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -74,7 +79,8 @@ class ModelRunner:
             slots.extend(s.block_ids[p // bs] * bs + p % bs for p in pos)
             n_blocks = -(-end // bs)
             prefills.append(PrefillSpan(offset, offset + s.num_tokens, start,
-                                        torch.tensor(s.block_ids[:n_blocks], dtype=torch.long)))
+                                        torch.tensor(s.block_ids[:n_blocks], dtype=torch.long),
+                                        s.state_slot, s.fresh))
             offset += s.num_tokens
         md = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long),
                                num_decodes=len(decodes), prefills=prefills)
@@ -85,6 +91,7 @@ class ModelRunner:
             md.decode_block_tables = torch.tensor(table, dtype=torch.long)
             md.decode_context_lens = torch.tensor(
                 [s.request.num_computed_tokens + 1 for s in decodes], dtype=torch.int32)
+            md.decode_state_slots = [s.state_slot for s in decodes]
         # rows whose token is the request's last pending one: these get logits
         sample_rows: list[int] = []
         sampling: list[ScheduledRequest] = []

@@ -25,6 +25,8 @@ class PrefillSpan:
     query_end: int
     num_computed: int  # tokens of this request already in the cache before the chunk
     block_ids: torch.Tensor  # the request's blocks covering num_computed + chunk
+    state_slot: int = 0  # running-state slot (compressed attention)
+    fresh: bool = False  # the request's first chunk since admission: its running state starts here
 
 
 @dataclass
@@ -33,6 +35,7 @@ class AttentionMetadata:
     num_decodes: int = 0  # leading rows that are query-length-1 requests
     decode_block_tables: torch.Tensor | None = None  # [B, max_blocks], null-padded
     decode_context_lens: torch.Tensor | None = None  # [B] int32
+    decode_state_slots: list[int] | None = None  # [B] running-state slots (compressed attention)
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
@@ -86,6 +89,15 @@ class CacheLayer(nn.Module):
 
     def cache_shapes(self, block_size: int) -> dict[str, tuple[int, ...]]:
         raise NotImplementedError
+
+    def cache_dtype(self, name: str) -> torch.dtype | None:
+        """A cache tensor's dtype when it is not the model's."""
+        return None
+
+    def state_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Per-request running state (float32), one slot per running request; most
+        layers keep none."""
+        return {}
 
 
 class Attention(CacheLayer):

@@ -63,8 +63,10 @@ class FusedMoE(nn.Module):
     """Routed experts' weights as stacked tensors: ``w13`` [E, 2I, H] (gate | up),
     ``w2`` [E, H, I]."""
 
-    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
+                 swiglu_limit: float | None = None) -> None:
         super().__init__()
+        self.swiglu_limit = swiglu_limit  # V4 clamps gate (above) and up (both sides)
         self.num_experts = num_experts
         self.top_k = top_k
         self.intermediate_size = intermediate_size
@@ -86,8 +88,15 @@ class FusedMoE(nn.Module):
         start = 0
         for e, n in enumerate(counts.tolist()):
             if n:
-                h = silu_and_mul(_linear(rows[start:start + n], self.w13[e]))
+                h = self._act(_linear(rows[start:start + n], self.w13[e]))
                 out[start:start + n] = _linear(h, self.w2[e])
                 start += n
         out *= topk_weights.reshape(-1)[order, None].to(out.dtype)
         return torch.zeros_like(x).index_add_(0, token_of, out)
+
+    def _act(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.swiglu_limit is None:
+            return silu_and_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        lim = self.swiglu_limit
+        return F.silu(gate.clamp(max=lim)) * up.clamp(min=-lim, max=lim)

@@ -1,0 +1,431 @@
+"""DeepSeek V4 (``DeepseekV4ForCausalLM``), checked against transformers' reference.
+
+Per layer: mHC hyper-connections (``hc_mult`` residual streams, Sinkhorn-normalised
+mixing) around attention and the MoE. Attention is shared-KV MQA (one K = V head,
+RMSNormed, rope on the last channels as interleaved pairs, the output de-rotated),
+with per-head sinks and a grouped low-rank output projection. Its keys are a
+sliding window of raw tokens plus, by layer type, compressed entries: all visible
+ones (HCA, non-overlapping windows) or the lightning indexer's top-k (CSA,
+overlapping windows). The cache and the pooling live in
+``layers/compressed_attention.py``. MoE: ``sqrtsoftplus`` scores, a selection-only
+bias, hash layers routed by ``tid2eid[token]``, a clamped SwiGLU.
+
+Modules are named as the released checkpoints name their tensors (``attn.wq_a``,
+``ffn.experts.3.w1``, ``hc_attn_fn``...); transformers-style names are mapped to them.
+"""
+from __future__ import annotations
+
+import logging
+import re
+from typing import Iterable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lane import tracing
+from lane.model_executor.layers.attention import get_attention_metadata
+from lane.model_executor.layers.compressed_attention import (V4AttentionCache, V4RMSNorm, attend_with_sinks,
+                                                             compress_chunk, rope_tail, unweighted_rms_norm)
+from lane.model_executor.layers.fused_moe import FusedMoE
+from lane.model_executor.layers.linear import Linear
+
+logger = logging.getLogger(__name__)
+
+SWA, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+
+
+class V4Rope:
+    """The two rope settings: "main" (sliding layers) and "compress" (CSA / HCA layers,
+    their compressors and indexers), as inverse frequencies over the rope pairs."""
+
+    def __init__(self, config) -> None:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        self.inv_freq, self.scaling = {}, {}
+        for kind, params in config.rope_parameters.items():
+            if not isinstance(params, dict):
+                continue
+            rope_type = params.get("rope_type", "default")
+            if rope_type == "default":
+                dim = int(config.head_dim * params.get("partial_rotary_factor", 1.0))
+                inv = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+                scaling = 1.0
+            else:
+                inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None, layer_type=kind)
+            self.inv_freq[kind], self.scaling[kind] = inv.float(), float(scaling)
+
+    def cos_sin(self, kind: str, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[kind]
+        return freqs.cos() * self.scaling[kind], freqs.sin() * self.scaling[kind]
+
+
+class Compressor(nn.Module):
+    """kv / gate projections and position bias of one pooled series (x2 with overlap)."""
+
+    def __init__(self, hidden: int, dim: int, rate: int, overlap: bool, eps: float) -> None:
+        super().__init__()
+        width = dim * (2 if overlap else 1)
+        self.rate, self.overlap = rate, overlap
+        self.wkv = Linear(hidden, width, bias=False, dtype=torch.float32)
+        self.wgate = Linear(hidden, width, bias=False, dtype=torch.float32)
+        self.ape = nn.Parameter(torch.zeros(rate, width, dtype=torch.float32))
+        self.norm = V4RMSNorm(dim, eps)
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x.float()
+        return self.wkv(x), self.wgate(x) + self.ape[positions % self.rate]
+
+
+class Indexer(nn.Module):
+    """CSA's lightning indexer: its own compressor over the same windows, query
+    heads from the q LoRA, and per-head weights."""
+
+    def __init__(self, config, rate: int) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim, self.topk = config.index_n_heads, config.index_head_dim, config.index_topk
+        self.wq_b = Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.weights_proj = Linear(config.hidden_size, self.n_heads, bias=False, dtype=torch.float32)
+        self.compressor = Compressor(config.hidden_size, self.head_dim, rate, True, config.rms_norm_eps)
+
+
+class DeepseekV4Attention(nn.Module):
+    def __init__(self, config, layer_idx: int, rope: V4Rope) -> None:
+        super().__init__()
+        self.layer_type = config.layer_types[layer_idx]
+        self.rope_kind = "main" if self.layer_type == SWA else "compress"
+        H, d = self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
+        self.window = config.sliding_window
+        self.eps = config.rms_norm_eps
+        self.o_groups = config.o_groups
+        self.wq_a = Linear(config.hidden_size, config.q_lora_rank, bias=False)
+        self.q_norm = V4RMSNorm(config.q_lora_rank, self.eps)
+        self.wq_b = Linear(config.q_lora_rank, H * d, bias=False)
+        self.wkv = Linear(config.hidden_size, d, bias=False)
+        self.norm = V4RMSNorm(d, self.eps)
+        self.wo_a = Linear(H * d // config.o_groups, config.o_groups * config.o_lora_rank, bias=False)
+        self.wo_b = Linear(config.o_groups * config.o_lora_rank, config.hidden_size, bias=False)
+        self.attn_sink = nn.Parameter(torch.zeros(H, dtype=torch.float32))
+        rate = config.compress_rates[self.layer_type] if self.layer_type != SWA else 0
+        self.compressor = (Compressor(config.hidden_size, d, rate, self.layer_type == CSA, self.eps)
+                           if rate else None)
+        self.indexer = Indexer(config, rate) if self.layer_type == CSA else None
+        self.cache = V4AttentionCache(self.layer_type, d, rate, config.index_head_dim)
+        self._rope = (rope,)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        T, H, d = x.shape[0], self.num_heads, self.head_dim
+        md = get_attention_metadata()
+        cos, sin = self._rope[0].cos_sin(self.rope_kind, positions)
+        q_res = self.q_norm(self.wq_a(x))
+        q = rope_tail(unweighted_rms_norm(self.wq_b(q_res).view(T, H, d), self.eps), cos[:, None], sin[:, None])
+        kv = rope_tail(self.norm(self.wkv(x)), cos, sin)
+        mark = tracing.forward_mark()
+        mark(23)
+        cache = self.cache
+        cache.kv_cache.view(-1, d)[md.slot_mapping] = kv.to(cache.kv_cache.dtype)
+        mark(24)
+        out = torch.empty_like(q)
+        for rows, p0, table, slot, fresh in _requests(md):
+            n = rows.stop - rows.start
+            pos = positions[rows]
+            n_entries = 0
+            if self.compressor is not None:  # step 23: this chunk's windows into entries
+                n_entries = self._compress(self.compressor, "state", cache.entry_cache, x[rows], pos, p0, table,
+                                           slot, fresh)
+                if self.indexer is not None:
+                    self._compress(self.indexer.compressor, "index_state", cache.index_cache, x[rows], pos, p0,
+                                   table, slot, fresh)
+                mark(23)
+            first = max(0, p0 - self.window + 1)
+            keys = cache.window_keys(table, first, p0 + n - 1)
+            kpos = torch.arange(first, p0 + n)
+            allowed = (kpos[None, :] <= pos[:, None]) & (kpos[None, :] > pos[:, None] - self.window)
+            if n_entries:
+                visible = torch.arange(n_entries)[None, :] < ((pos + 1) // self.compressor.rate)[:, None]
+                if self.indexer is not None:  # step 25: top-k entries per query
+                    visible &= self._select(x[rows], q_res[rows], pos, table, n_entries, visible)
+                    mark(25)
+                keys = torch.cat((keys, cache.entries(cache.entry_cache, table, n_entries)))
+                allowed = torch.cat((allowed, visible), dim=1)
+            out[rows] = attend_with_sinks(q[rows], keys.to(q.dtype), allowed, self.attn_sink, d ** -0.5)
+            mark(27)
+        out = rope_tail(out, cos[:, None], -sin[:, None])  # V carried rope: undo it at the query position
+        g = self.o_groups
+        w = self.wo_a.weight.view(g, -1, H * d // g)
+        grouped = torch.bmm(out.reshape(T, g, -1).transpose(0, 1), w.transpose(1, 2)).transpose(0, 1)
+        out = self.wo_b(grouped.reshape(T, -1))
+        mark(28)
+        return out
+
+    def _compress(self, comp: Compressor, which: str, entry_cache, x, pos, p0, table, slot, fresh) -> int:
+        """Fold a request's rows into its running state, write the entries this chunk
+        completes; returns how many entries the request has now."""
+        cache = self.cache
+        kv, gate = comp.project(x, pos)
+        state = cache.load_state(which, slot, p0, fresh, table)
+        res = compress_chunk(kv, gate, p0, comp.rate, comp.overlap, state)
+        if res.pooled.shape[0]:
+            entries = comp.norm(res.pooled)
+            epos = torch.arange(res.first_window, res.first_window + entries.shape[0]) * comp.rate
+            cos, sin = self._rope[0].cos_sin("compress", epos)
+            cache.write_entries(entry_cache, table, res.first_window, rope_tail(entries, cos, sin))
+        cache.save_state(which, slot, res, table)
+        return int(pos[-1] + 1) // comp.rate
+
+    def _select(self, x, q_res, pos, table, n_entries, visible) -> torch.Tensor:
+        """The indexer's top-k visible entries for each query -> [n, n_entries] bool."""
+        idx = self.indexer
+        n = x.shape[0]
+        cos, sin = self._rope[0].cos_sin("compress", pos)
+        q = rope_tail(idx.wq_b(q_res).view(n, idx.n_heads, idx.head_dim), cos[:, None], sin[:, None])
+        keys = self.cache.entries(self.cache.index_cache, table, n_entries).float()
+        weights = idx.weights_proj(x.float()) * idx.n_heads ** -0.5  # [n, H_I]
+        scores = torch.relu(q.float() @ keys.t()) * idx.head_dim ** -0.5  # [n, H_I, E]
+        scores = (scores * weights[..., None]).sum(dim=1).masked_fill(~visible, float("-inf"))
+        top = scores.topk(min(idx.topk, n_entries), dim=-1).indices
+        return torch.zeros_like(visible).scatter_(1, top, True)
+
+
+def _requests(md):
+    """(rows, first position, block table, state slot, fresh) per request of the batch."""
+    for b in range(md.num_decodes):
+        p0 = int(md.decode_context_lens[b]) - 1
+        yield slice(b, b + 1), p0, md.decode_block_tables[b], md.decode_state_slots[b], False
+    for span in md.prefills:
+        yield slice(span.query_start, span.query_end), span.num_computed, span.block_ids, span.state_slot, span.fresh
+
+
+class HyperConnection(nn.Module):
+    """mHC: from the hc_mult streams, weights to collapse them into the sublayer's
+    input (pre), to spread its output back (post), and to mix the streams (comb,
+    doubly stochastic by Sinkhorn). float32 throughout."""
+
+    def __init__(self, hc: int, hidden: int, iters: int, hc_eps: float, norm_eps: float) -> None:
+        super().__init__()
+        self.hc, self.iters, self.hc_eps, self.norm_eps = hc, iters, hc_eps, norm_eps
+        self.fn = nn.Parameter(torch.zeros((2 + hc) * hc, hc * hidden, dtype=torch.float32))
+        self.base = nn.Parameter(torch.zeros((2 + hc) * hc, dtype=torch.float32))
+        self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
+
+    def forward(self, streams: torch.Tensor):
+        """streams [T, hc, D] -> post [T, hc], comb [T, hc, hc], collapsed [T, D]"""
+        hc = self.hc
+        flat = unweighted_rms_norm(streams.reshape(streams.shape[0], -1).float(), self.norm_eps)
+        mix = F.linear(flat, self.fn)
+        pre_w, post_w, comb_w = mix.split([hc, hc, hc * hc], dim=-1)
+        pre_b, post_b, comb_b = self.base.split([hc, hc, hc * hc])
+        pre = torch.sigmoid(pre_w * self.scale[0] + pre_b) + self.hc_eps
+        post = 2 * torch.sigmoid(post_w * self.scale[1] + post_b)
+        comb = torch.softmax(comb_w.view(-1, hc, hc) * self.scale[2] + comb_b.view(hc, hc), dim=-1) + self.hc_eps
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
+        for _ in range(self.iters - 1):
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.hc_eps)
+            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
+        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+        return post, comb, collapsed
+
+
+def hc_apply(streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """New streams: post_k * y + sum_j comb[j, k] * stream_j."""
+    dtype = streams.dtype
+    return post.to(dtype).unsqueeze(-1) * y.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+
+
+class HyperHead(nn.Module):
+    def __init__(self, hc: int, hidden: int, hc_eps: float, norm_eps: float) -> None:
+        super().__init__()
+        self.hc_eps, self.norm_eps = hc_eps, norm_eps
+        self.hc_fn = nn.Parameter(torch.zeros(hc, hc * hidden, dtype=torch.float32))
+        self.hc_base = nn.Parameter(torch.zeros(hc, dtype=torch.float32))
+        self.hc_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
+
+    def forward(self, streams: torch.Tensor) -> torch.Tensor:
+        flat = unweighted_rms_norm(streams.reshape(streams.shape[0], -1).float(), self.norm_eps)
+        pre = torch.sigmoid(F.linear(flat, self.hc_fn) * self.hc_scale + self.hc_base) + self.hc_eps
+        return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+
+
+class V4Gate(nn.Module):
+    def __init__(self, config, hashed: bool) -> None:
+        super().__init__()
+        E, k = config.n_routed_experts, config.num_experts_per_tok
+        self.top_k, self.hashed = k, hashed
+        self.scoring_func = config.scoring_func
+        self.routed_scaling_factor = config.routed_scaling_factor
+        self.weight = nn.Parameter(torch.zeros(E, config.hidden_size))
+        if hashed:  # frozen token -> experts table
+            self.tid2eid = nn.Parameter(torch.zeros(config.vocab_size, k, dtype=torch.long), requires_grad=False)
+        else:  # steers the choice only
+            self.bias = nn.Parameter(torch.zeros(E, dtype=torch.float32), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x, self.weight)
+        if self.scoring_func == "sqrtsoftplus":
+            scores = F.softplus(logits).sqrt()
+        elif self.scoring_func == "sigmoid":
+            scores = logits.sigmoid()
+        else:
+            raise ValueError(f"unsupported scoring_func {self.scoring_func!r}")
+        if self.hashed:
+            ids = self.tid2eid[input_ids]
+        else:
+            ids = torch.topk(scores + self.bias, self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, ids)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.routed_scaling_factor, ids
+
+
+class SharedExpert(nn.Module):
+    def __init__(self, hidden: int, inter: int, limit: float) -> None:
+        super().__init__()
+        self.w1 = Linear(hidden, inter, bias=False)
+        self.w3 = Linear(hidden, inter, bias=False)
+        self.w2 = Linear(inter, hidden, bias=False)
+        self.limit = limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = self.w1(x).clamp(max=self.limit)
+        up = self.w3(x).clamp(min=-self.limit, max=self.limit)
+        return self.w2(F.silu(gate) * up)
+
+
+class V4MoE(nn.Module):
+    def __init__(self, config, layer_idx: int) -> None:
+        super().__init__()
+        hashed = config.mlp_layer_types[layer_idx] == "hash_moe"
+        self.gate = V4Gate(config, hashed)
+        inter = config.moe_intermediate_size
+        self.experts = FusedMoE(config.n_routed_experts, config.num_experts_per_tok, config.hidden_size, inter,
+                                swiglu_limit=config.swiglu_limit)
+        self.shared_experts = SharedExpert(config.hidden_size, inter, config.swiglu_limit)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x, input_ids)
+        tracing.forward_mark()(29)
+        return self.experts(x, weights, ids) + self.shared_experts(x)
+
+
+class DeepseekV4Block(nn.Module):
+    def __init__(self, config, layer_idx: int, rope: V4Rope) -> None:
+        super().__init__()
+        hc, D = config.hc_mult, config.hidden_size
+        self.attn = DeepseekV4Attention(config, layer_idx, rope)
+        self.ffn = V4MoE(config, layer_idx)
+        self.attn_norm = V4RMSNorm(D, config.rms_norm_eps)
+        self.ffn_norm = V4RMSNorm(D, config.rms_norm_eps)
+        for part in ("attn", "ffn"):
+            h = HyperConnection(hc, D, config.hc_sinkhorn_iters, config.hc_eps, config.rms_norm_eps)
+            setattr(self, f"hc_{part}", h)
+
+    def forward(self, streams: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        mark = tracing.forward_mark()
+        post, comb, x = self.hc_attn(streams)
+        x = self.attn_norm(x)
+        mark(21)
+        streams = hc_apply(streams, post, comb, self.attn(x, positions))
+        post, comb, x = self.hc_ffn(streams)
+        x = self.ffn_norm(x)
+        mark(21)
+        streams = hc_apply(streams, post, comb, self.ffn(x, input_ids))
+        mark(30)
+        return streams
+
+
+# transformers' names -> the released checkpoint's (what lane's modules are called)
+_HF_NAMES = [(r"\.self_attn\.compressor\.indexer\.scorer\.weights_proj\.", ".attn.indexer.weights_proj."),
+             (r"\.self_attn\.compressor\.indexer\.q_b_proj\.", ".attn.indexer.wq_b."),
+             (r"\.self_attn\.compressor\.indexer\.", ".attn.indexer.compressor."),
+             (r"\.self_attn\.", ".attn."), (r"\.mlp\.", ".ffn."), (r"\.input_layernorm\.", ".attn_norm."),
+             (r"\.post_attention_layernorm\.", ".ffn_norm."), (r"\.attn_hc\.", ".hc_attn."), (r"\.ffn_hc\.", ".hc_ffn."),
+             (r"\.sinks$", ".attn_sink"), (r"\.kv_norm\.", ".norm."), (r"\.position_bias$", ".ape"),
+             (r"\.q_a_proj\.", ".wq_a."), (r"\.q_a_norm\.", ".q_norm."), (r"\.q_b_proj\.", ".wq_b."),
+             (r"\.kv_proj\.", ".wkv."), (r"\.gate_proj\.", ".wgate."), (r"\.o_a_proj\.", ".wo_a."),
+             (r"\.o_b_proj\.", ".wo_b."), (r"\.gate\.e_score_correction_bias$", ".gate.bias"),
+             (r"\.shared_experts\.wgate\.", ".shared_experts.w1."), (r"\.shared_experts\.up_proj\.", ".shared_experts.w3."),
+             (r"\.shared_experts\.down_proj\.", ".shared_experts.w2.")]
+_TOP = {"embed.weight": "embed_tokens.weight", "lm_head.weight": "head.weight", "hc_head_fn": "hc_head.hc_fn",
+        "hc_head_base": "hc_head.hc_base", "hc_head_scale": "hc_head.hc_scale"}
+_EXPERT = re.compile(r"(layers\.\d+\.ffn\.experts)\.(\d+)\.(w1|w2|w3)\.weight$")
+
+
+def canonical_name(name: str) -> str:
+    name = name.removeprefix("model.")
+    name = _TOP.get(name, name)
+    if ".self_attn." in name or ".mlp." in name or "_layernorm." in name or "_hc." in name:
+        for pattern, repl in _HF_NAMES:
+            name = re.sub(pattern, repl, name)
+    return re.sub(r"\.hc_(attn|ffn)_(fn|base|scale)$", r".hc_\1.\2", name)
+
+
+class DeepseekV4ForCausalLM(nn.Module):
+    def __init__(self, config, max_position: int | None = None) -> None:
+        super().__init__()
+        self.config = config
+        rope = V4Rope(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DeepseekV4Block(config, i, rope) for i in range(config.num_hidden_layers))
+        self.hc_head = HyperHead(config.hc_mult, config.hidden_size, config.hc_eps, config.rms_norm_eps)
+        self.norm = V4RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.head = Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        streams = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
+        for layer in self.layers:
+            streams = layer(streams, positions, input_ids)
+        out = self.norm(self.hc_head(streams))
+        tracing.forward_mark()(32)
+        return out
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(hidden)
+
+    def kv_cache_layers(self) -> list[V4AttentionCache]:
+        return [layer.attn.cache for layer in self.layers]
+
+    def moe_layers(self) -> dict[int, FusedMoE]:
+        return {i: layer.ffn.experts for i, layer in enumerate(self.layers)}
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for orig, tensor in weights:
+            name = canonical_name(orig)
+            if name.startswith("mtp."):  # the MTP block: for speculative decoding, not loaded yet
+                continue
+            if m := _EXPERT.match(name):
+                prefix, e, w = m.group(1), int(m.group(2)), m.group(3)
+                target = f"{prefix}.{'w2' if w == 'w2' else 'w13'}"
+                dst = params[target][e]
+                if w != "w2":
+                    inter = dst.shape[0] // 2
+                    dst = dst.narrow(0, inter * (w == "w3"), inter)
+            else:
+                if name.endswith(".ffn.experts.gate_up_proj") or name.endswith(".ffn.experts.down_proj"):
+                    name = name.rsplit(".", 1)[0] + (".w13" if name.endswith("gate_up_proj") else ".w2")
+                if name not in params:
+                    raise KeyError(f"checkpoint tensor {orig} has no place in DeepseekV4ForCausalLM")
+                target, dst = name, params[name]
+            if dst.shape != tensor.shape:
+                raise ValueError(f"{orig}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(dst.shape)}")
+            with torch.no_grad():
+                dst.copy_(tensor)
+            loaded.add(target)
+        return loaded
+
+
+def kv_bytes_per_token(config, dtype_bytes: int) -> dict[str, float]:
+    """Cache bytes per token per layer, by layer type (what the paged pool holds)."""
+    d, di = config.head_dim, config.index_head_dim
+    rates = config.compress_rates
+    return {SWA: d * dtype_bytes,
+            CSA: d * dtype_bytes + (d + di) * dtype_bytes / rates[CSA],
+            HCA: d * dtype_bytes + d * dtype_bytes / rates[HCA]}
+
+
+def running_state_bytes(config) -> dict[str, int]:
+    """float32 running state per request per compressed layer (online accumulators)."""
+    d, di = config.head_dim, config.index_head_dim
+    return {CSA: 2 * 3 * (d + di) * 4, HCA: 2 * 3 * d * 4}
+
