@@ -18,7 +18,7 @@ def lane(*args, timeout=300):
 def tiny_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny")
     out = {}
-    for arch in ("llama", "qwen3", "deepseek_v3", "deepseek_v32"):
+    for arch in ("llama", "qwen3", "deepseek_v3", "deepseek_v32", "deepseek_v4"):
         r = lane("tiny-model", arch, str(root / arch))
         assert r.returncode == 0, r.stderr
         out[arch] = str(root / arch)

@@ -98,6 +98,24 @@ class ModelConfig:
             return cfg
 
     @property
+    def block_size_multiple(self) -> int:
+        """Compressed attention (DeepSeek V4) needs whole windows per block: the lcm of its rates."""
+        import math
+
+        rates = getattr(self.hf_config, "compress_rates", None) or {}
+        return math.lcm(*[int(r) for r in rates.values() if r]) if rates else 1
+
+    def resolve_block_size(self, requested: int | None) -> int:
+        """--block-size, or by default 16 (rounded up to the model's multiple)."""
+        multiple = self.block_size_multiple
+        if requested is None:
+            return -(-16 // multiple) * multiple
+        if requested % multiple:
+            raise ValueError(f"--block-size {requested} must be a multiple of {multiple} for this model "
+                             f"(whole compression windows per block); leave it unset for the default")
+        return requested
+
+    @property
     def architectures(self) -> list[str]:
         return list(getattr(self.hf_config, "architectures", None) or [])
 
@@ -185,7 +203,7 @@ class EngineArgs:
     arguments of ``LLM``): plain values, so they cross a process boundary as they are."""
     model: str | None = None
     dtype: str = "auto"
-    block_size: int = 16
+    block_size: int | None = None  # None: 16, or the model's multiple of its compression rates
     enable_prefix_caching: bool = True
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
@@ -201,8 +219,13 @@ class EngineArgs:
         return ModelConfig(self.model, dtype=self.dtype, max_model_len=self.max_model_len, seed=self.seed)
 
     def create_engine_config(self, model_config: ModelConfig | None = None) -> EngineConfig:
+        model_config = model_config or self.create_model_config()
+        block_size = self.block_size
+        if block_size is not None and block_size < 1:
+            raise ValueError(f"--block-size must be >= 1, got {block_size}")
         return EngineConfig(
-            model_config or self.create_model_config(),
-            CacheConfig(self.block_size, self.enable_prefix_caching, self.kv_cache_memory_bytes),
+            model_config,
+            CacheConfig(model_config.resolve_block_size(block_size), self.enable_prefix_caching,
+                        self.kv_cache_memory_bytes),
             SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs),
             threads=self.threads, show_progress=self.show_progress)

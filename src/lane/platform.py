@@ -84,7 +84,8 @@ def select_attention_backend(hf_config) -> AttentionBackendChoice:
     """Pick the attention backend from the model config's fields, as vllm-ascend's
     platform.py keys it on (use_mla, use_sparse, use_compress)."""
     if getattr(hf_config, "compress_ratios", None) or getattr(hf_config, "compress_rates", None):
-        return AttentionBackendChoice("compressed", "config has compress_ratios / compress_rates")
+        return AttentionBackendChoice("compressed", "config has compress_rates / compress_ratios: sliding window "
+                                      "+ compressed (CSA / HCA) layers")
     if getattr(hf_config, "kv_lora_rank", None):
         if getattr(hf_config, "index_topk", None):
             return AttentionBackendChoice("sparse_mla", "config has kv_lora_rank and index_topk")

@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 
 class LLM:
-    def __init__(self, model: str | None = None, *, dtype: str = "auto", block_size: int = 16,
+    def __init__(self, model: str | None = None, *, dtype: str = "auto", block_size: int | None = None,
                  enable_prefix_caching: bool = True, max_num_batched_tokens: int = 2048,
                  max_num_seqs: int = 128, max_model_len: int | None = None,
                  kv_cache_memory_bytes: int | None = None, seed: int = 0,

@@ -28,7 +28,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="auto: bfloat16 on CPUs with AVX512-BF16/AMX, else float32")
     g.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all CPUs)")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--block-size", type=int, default=None,
+                   help="tokens per KV block (default 16, or a multiple of a compressed model's rates)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step")
     g.add_argument("--max-num-seqs", type=int, default=128, help="running requests at most")
@@ -212,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     ex.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                     help="HF model directory or .gguf file (default: the embedded SmolLM2)")
     ex.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    ex.add_argument("--block-size", type=int, default=16)
+    ex.add_argument("--block-size", type=int, default=None)
     ex.add_argument("--kv-cache-memory-bytes", type=parse_bytes, default=None)
 
     tm = sub.add_parser("tiny-model", help="write a small random checkpoint of an architecture (SmolLM2's tokenizer)")
@@ -225,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "explain":
         from lane.entrypoints.explain import explain
 
-        if args.block_size < 1:
+        if args.block_size is not None and args.block_size < 1:
             ex.error(f"--block-size must be >= 1, got {args.block_size}")
         try:
             print(explain(args.model_tag, args.dtype, args.block_size, args.kv_cache_memory_bytes))

@@ -40,13 +40,46 @@ def cache_layout(cfg, backend: str, dtype_bytes: int) -> CacheLayout:
                        2 * heads * head_dim * dtype_bytes, layers)
 
 
-def explain(model: str | None, dtype: str = "auto", block_size: int = 16,
+def _compressed_layout(cfg, block_size: int, dtype, lines: list[str]) -> int:
+    """DeepSeek V4: the cache per layer type, from the cache layers' own shapes (what
+    the engine allocates); returns bytes per block over all layers."""
+    import math
+
+    from lane.model_executor.layers.compressed_attention import V4AttentionCache
+
+    types = list(getattr(cfg, "layer_types", None) or [])
+    rates = getattr(cfg, "compress_rates", None) or {}
+    d, di = cfg.head_dim, getattr(cfg, "index_head_dim", 0) or 0
+    dtype_name = str(dtype).removeprefix("torch.")
+    lines.append(f"  KV cache per token per layer ({dtype_name}), by layer type "
+                 f"(window {cfg.sliding_window} tokens of K=V in every layer):")
+    per_block = 0
+    for kind in dict.fromkeys(types):
+        layer = V4AttentionCache(kind, d, rates.get(kind, 0), di)
+        shapes = layer.cache_shapes(block_size)
+        nbytes = sum(math.prod(s) * (layer.cache_dtype(n) or dtype).itemsize for n, s in shapes.items())
+        count = types.count(kind)
+        per_block += nbytes * count
+        parts = ", ".join(f"{n} {'x'.join(map(str, s))}" for n, s in shapes.items())
+        state = sum(math.prod(s) * 4 for s in layer.state_shapes().values())
+        lines.append(f"    {kind}: {nbytes / block_size:,.1f} B x {count} layer{'s' * (count != 1)} ({parts} per block"
+                     + (f"; running state {state:,} B per request, float32" if state else "") + ")")
+    heads = cfg.num_attention_heads
+    dense = 2 * heads * d * dtype.itemsize * len(types)
+    lines.append(f"  per token, all {len(types)} layers: {per_block / block_size:,.1f} B (a dense MHA cache of the "
+                 f"same width: {dense:,} B, {dense * block_size / per_block:.0f}x more); a block of {block_size} "
+                 f"tokens: {per_block:,} B")
+    return per_block
+
+
+def explain(model: str | None, dtype: str = "auto", block_size: int | None = None,
             kv_cache_memory_bytes: int | None = None) -> str:
     from lane.config import CacheConfig, ModelConfig
 
     plugins.load_general_plugins()
     mc = ModelConfig(model, dtype=dtype)
     cfg = mc.hf_config
+    block_size = mc.resolve_block_size(block_size)
     lines = [f"model: {mc.gguf_file or mc.model_dir}", "", "1 · registry (which implementation serves it)"]
     archs = mc.architectures
     if not archs:
@@ -75,23 +108,28 @@ def explain(model: str | None, dtype: str = "auto", block_size: int = 16,
     if getattr(cfg, "load_error", None):
         lines.append(f"  note: transformers cannot parse this config ({cfg.load_error.splitlines()[0]})")
     choice = platform.select_attention_backend(cfg)
-    fields = {k: getattr(cfg, k, None) for k in ("kv_lora_rank", "index_topk", "compress_ratios",
+    fields = {k: getattr(cfg, k, None) for k in ("kv_lora_rank", "index_topk", "compress_ratios", "compress_rates",
                                                  "num_key_value_heads", "num_attention_heads")}
     lines += ["", "2 · attention backend (chosen from the config's fields)",
               f"  backend: {choice.name} ({choice.reason})",
               "  fields: " + ", ".join(f"{k}={v}" for k, v in fields.items())]
     dtype_name = str(mc.dtype).removeprefix("torch.")
-    layout = cache_layout(cfg, choice.name, BYTES.get(dtype_name, 2))
-    per_block = layout.bytes_per_token_layer * layout.num_layers * block_size
     budget = CacheConfig(block_size, True, kv_cache_memory_bytes).budget_bytes()
+    if choice.name == "compressed":
+        per_block = _compressed_layout(cfg, block_size, mc.dtype, lines)
+    else:
+        layout = cache_layout(cfg, choice.name, BYTES.get(dtype_name, 2))
+        per_block = layout.bytes_per_token_layer * layout.num_layers * block_size
+        lines += [f"  KV cache per token per layer ({dtype_name}): {layout.what} = "
+                  f"{layout.bytes_per_token_layer:,} B"]
+        if layout.full_kv_bytes_per_token_layer != layout.bytes_per_token_layer:
+            ratio = layout.full_kv_bytes_per_token_layer / layout.bytes_per_token_layer
+            lines.append(f"    (full K/V for every head would take {layout.full_kv_bytes_per_token_layer:,} B: "
+                         f"{ratio:.1f}x more)")
+        lines.append(f"  per token, all {layout.num_layers} layers: "
+                     f"{layout.bytes_per_token_layer * layout.num_layers:,} B; "
+                     f"a block of {block_size} tokens: {per_block:,} B")
     blocks = budget // per_block if per_block else 0
-    lines += [f"  KV cache per token per layer ({dtype_name}): {layout.what} = {layout.bytes_per_token_layer:,} B"]
-    if layout.full_kv_bytes_per_token_layer != layout.bytes_per_token_layer:
-        ratio = layout.full_kv_bytes_per_token_layer / layout.bytes_per_token_layer
-        lines.append(f"    (full K/V for every head would take {layout.full_kv_bytes_per_token_layer:,} B: "
-                     f"{ratio:.1f}x more)")
-    lines += [f"  per token, all {layout.num_layers} layers: {layout.bytes_per_token_layer * layout.num_layers:,} B; "
-              f"a block of {block_size} tokens: {per_block:,} B",
-              f"  budget {budget / 2**20:,.1f} MiB -> {blocks:,} blocks, one of them the null block "
-              f"({(blocks - 1) * block_size:,} tokens)"]
+    lines.append(f"  budget {budget / 2**20:,.1f} MiB -> {blocks:,} blocks, one of them the null block "
+                 f"({(blocks - 1) * block_size:,} tokens)")
     return "\n".join(lines)

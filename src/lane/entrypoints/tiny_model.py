@@ -62,13 +62,13 @@ def write_tiny_model(arch: str, out_dir: str, seed: int = 0, fp8: bool = False, 
 
     if arch not in TINY:
         raise ValueError(f"unknown architecture {arch!r}; choose from {', '.join(TINY)}")
-    if fp8 and arch not in ("deepseek_v3", "deepseek_v32"):
-        raise ValueError("--fp8 is for deepseek_v3 and deepseek_v32 (released FP8 block-quantised)")
+    if fp8 and not arch.startswith("deepseek"):
+        raise ValueError("--fp8 is for the DeepSeek architectures (released FP8 block-quantised)")
     cfg_name, model_name, fields = TINY[arch]
     torch.manual_seed(seed)
     config = getattr(transformers, cfg_name)(**{**COMMON, **fields, **overrides}, architectures=[model_name])
     model = getattr(transformers, model_name)(config).eval()
-    deepseek = arch in ("deepseek_v3", "deepseek_v32")
+    deepseek = arch in ("deepseek_v3", "deepseek_v32")  # V3-style extras: routing bias, MTP file
     if arch == "deepseek_v4":
         _v4_nonzero(model, seed)
     with torch.no_grad():
@@ -83,6 +83,10 @@ def write_tiny_model(arch: str, out_dir: str, seed: int = 0, fp8: bool = False, 
     model.generation_config.bos_token_id, model.generation_config.eos_token_id = 1, 2
     model.generation_config.save_pretrained(out_dir)
     ModelConfig(None).get_tokenizer().save_pretrained(out_dir)  # SmolLM2's, from the packaged GGUF
+    if arch == "deepseek_v4" and fp8:
+        main = os.path.join(out_dir, "model.safetensors")
+        save_file(quantize_checkpoint(load_file(main), FP8_BLOCK, _V4_FP8, ".scale"), main, metadata={"format": "pt"})
+        _add_fp8_config(out_dir)
     if deepseek:
         main = os.path.join(out_dir, "model.safetensors")
         tensors = load_file(main)
@@ -90,14 +94,27 @@ def write_tiny_model(arch: str, out_dir: str, seed: int = 0, fp8: bool = False, 
         save_file(quantize_checkpoint(mtp, FP8_BLOCK) if fp8 else mtp, os.path.join(out_dir, "model-mtp.safetensors"))
         if fp8:
             save_file(quantize_checkpoint(tensors, FP8_BLOCK), main, metadata={"format": "pt"})
-            cfg_path = os.path.join(out_dir, "config.json")
-            with open(cfg_path) as f:
-                cfg = json.load(f)
-            cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                          "weight_block_size": list(FP8_BLOCK)}
-            with open(cfg_path, "w") as f:
-                json.dump(cfg, f, indent=2)
+            _add_fp8_config(out_dir)
     return out_dir
+
+
+def _add_fp8_config(out_dir: str) -> None:
+    cfg_path = os.path.join(out_dir, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": list(FP8_BLOCK)}
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f, indent=2)
+
+
+def _V4_FP8(name: str, t) -> bool:
+    """V4 ships its dense attention and shared-expert linears in FP8 (scales named
+    ``.scale``); compressor and indexer projections stay bf16."""
+    import re
+
+    return t.dim() == 2 and bool(re.search(r"\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b)\.weight$|"
+                                           r"\.shared_experts\.w[123]\.weight$", name))
 
 
 def _v4_nonzero(model, seed: int) -> None:
@@ -159,11 +176,15 @@ def quantize_block_fp8(w, block: tuple[int, int]):
     return q.contiguous(), scale
 
 
-def quantize_checkpoint(tensors: dict, block: tuple[int, int]) -> dict:
+def quantize_checkpoint(tensors: dict, block: tuple[int, int], quantizable=None, scale_suffix: str = "") -> dict:
+    """FP8 copies of the quantizable weights with their block scales: ``W.weight_scale_inv``
+    (V3), or ``W.scale`` with ``scale_suffix=".scale"`` (V4)."""
+    quantizable = quantizable or _quantizable
     out = {}
     for name, t in tensors.items():
-        if _quantizable(name, t):
-            out[name], out[name + "_scale_inv"] = quantize_block_fp8(t, block)
+        if quantizable(name, t):
+            scale_name = name.removesuffix(".weight") + scale_suffix if scale_suffix else name + "_scale_inv"
+            out[name], out[scale_name] = quantize_block_fp8(t, block)
         else:
             out[name] = t
     return out

@@ -153,19 +153,25 @@ class ForwardProfile:
 
     def __init__(self) -> None:
         self.acc: dict[int, float] = {}
-        self.detail: list[tuple[int, float, float]] = []  # (step, start, end) with --trace-layers
+        self.attrs: dict[int, dict[str, set]] = {}  # step -> attribute -> the values layers gave
+        self.detail: list[tuple[int, float, float, dict]] = []  # (step, start, end, attrs) with --trace-layers
         self.start = self.last = 0.0
 
     def begin(self) -> None:
         self.acc = {}
+        self.attrs = {}
         self.detail = []
         self.start = self.last = time.monotonic()
 
-    def mark(self, step: int) -> None:
+    def mark(self, step: int, **attrs) -> None:
+        """``attrs`` describe this layer's piece (e.g. its layer type): per-layer spans
+        carry them; summed spans list every value seen."""
         now = time.monotonic()
         self.acc[step] = self.acc.get(step, 0.0) + (now - self.last)
+        for k, v in attrs.items():
+            self.attrs.setdefault(step, {}).setdefault(k, set()).add(v)
         if tracer.layer_detail:
-            self.detail.append((step, self.last, now))
+            self.detail.append((step, self.last, now, attrs))
         self.last = now
 
     def emit(self, request_ids: list[str], num_layers: int, step_attrs: dict[int, dict] | None = None) -> None:
@@ -173,21 +179,22 @@ class ForwardProfile:
         (their real times interleave layer by layer; the sums are what they cost)."""
         step_attrs = step_attrs or {}
         if self.detail:
-            for step, s, e in self.detail:
-                tracer.record(step, s, e, request_ids, placement="per-layer", **step_attrs.get(step, {}))
+            for step, s, e, attrs in self.detail:
+                tracer.record(step, s, e, request_ids, placement="per-layer", **step_attrs.get(step, {}), **attrs)
             return
         t = self.start
         for step in sorted(self.acc):
             dur = self.acc[step]
+            seen = {k: ",".join(sorted(map(str, v))) for k, v in self.attrs.get(step, {}).items()}
             tracer.record(step, t, t + dur, request_ids, layers=1 if step in (32,) else num_layers,
-                          placement="summed over layers", **step_attrs.get(step, {}))
+                          placement="summed over layers", **{**step_attrs.get(step, {}), **seen})
             t += dur
 
 
 _profile = ForwardProfile()
 
 
-def _noop(step: int) -> None:
+def _noop(step: int, **attrs) -> None:
     pass
 
 

@@ -63,10 +63,11 @@ def get_model(model_config: ModelConfig, load_threads: int = 4, progress: bool =
         from lane.model_executor.loader.safetensors_loader import (count_tensors, load_safetensors,
                                                                    safetensors_files)
 
-        from lane.model_executor.loader.fp8 import Fp8Dequantizer, block_size_of
+        from lane.model_executor.loader.fp8 import Fp8Dequantizer, block_size_of, scale_suffixes_of
 
         files = safetensors_files(model_config.model_dir)
-        fp8 = Fp8Dequantizer(consume, block_size_of(model_config.hf_config))
+        cfg = model_config.hf_config
+        fp8 = Fp8Dequantizer(consume, block_size_of(cfg), scale_suffixes_of(cfg))
         with tqdm(total=count_tensors(files), desc=desc, disable=not progress, unit="tensor") as bar:
             load_safetensors(files, fp8, load_threads, on_tensor=bar.update)
         fp8.finish()

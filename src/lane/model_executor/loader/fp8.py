@@ -15,7 +15,10 @@ from typing import Callable
 import torch
 
 FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
-SCALE_SUFFIX = "_scale_inv"
+# scale name suffix -> what replaces it to name the weight: DeepSeek V3's HF releases use
+# "W.weight_scale_inv"; V4's "W.scale" (only read as a scale in an fp8-quantised config)
+SCALE_SUFFIXES = {"_scale_inv": ""}
+V4_SCALE_SUFFIXES = {"_scale_inv": "", ".scale": ".weight"}
 
 
 def dequantize_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor,
@@ -30,12 +33,18 @@ def dequantize_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor,
     return weight.float() * scale
 
 
-def block_size_of(hf_config) -> tuple[int, int]:
+def _quant_config(hf_config) -> dict:
     qc = getattr(hf_config, "quantization_config", None) or {}
-    if not isinstance(qc, dict):
-        qc = qc.to_dict()
-    bn, bk = qc.get("weight_block_size") or (128, 128)
+    return qc if isinstance(qc, dict) else qc.to_dict()
+
+
+def block_size_of(hf_config) -> tuple[int, int]:
+    bn, bk = _quant_config(hf_config).get("weight_block_size") or (128, 128)
     return int(bn), int(bk)
+
+
+def scale_suffixes_of(hf_config) -> dict[str, str]:
+    return V4_SCALE_SUFFIXES if _quant_config(hf_config).get("quant_method") == "fp8" else SCALE_SUFFIXES
 
 
 class Fp8Dequantizer:
@@ -43,17 +52,20 @@ class Fp8Dequantizer:
     until both are in, then the dequantised weight is passed on; everything else
     passes straight through."""
 
-    def __init__(self, consume: Callable[[str, torch.Tensor], None], block: tuple[int, int]) -> None:
+    def __init__(self, consume: Callable[[str, torch.Tensor], None], block: tuple[int, int],
+                 scale_suffixes: dict[str, str] | None = None) -> None:
         self.consume = consume
         self.block = block
+        self.scale_suffixes = scale_suffixes or SCALE_SUFFIXES
         self.lock = threading.Lock()
         self.weights: dict[str, torch.Tensor] = {}
         self.scales: dict[str, torch.Tensor] = {}  # keyed by the weight's name
         self.num_dequantized = 0
 
     def __call__(self, name: str, tensor: torch.Tensor) -> None:
-        if name.endswith(SCALE_SUFFIX):
-            key, store, other = name[:-len(SCALE_SUFFIX)], self.scales, self.weights
+        suffix = next((s for s in self.scale_suffixes if name.endswith(s)), None)
+        if suffix is not None and tensor.dim() == 2 and tensor.dtype not in FP8_DTYPES:  # block scales are 2-D
+            key, store, other = name[:-len(suffix)] + self.scale_suffixes[suffix], self.scales, self.weights
         elif tensor.dtype in FP8_DTYPES:
             key, store, other = name, self.weights, self.scales
         else:
@@ -70,6 +82,6 @@ class Fp8Dequantizer:
 
     def finish(self) -> None:
         if self.weights or self.scales:
-            lone = sorted(self.weights)[:3] + [k + SCALE_SUFFIX for k in sorted(self.scales)[:3]]
+            lone = sorted(self.weights)[:3] + [f"scale of {k}" for k in sorted(self.scales)[:3]]
             raise ValueError(f"fp8 checkpoint: {len(self.weights)} weights without a scale and "
                              f"{len(self.scales)} scales without a weight, e.g. {lone}")

@@ -121,10 +121,11 @@ class DeepseekV4Attention(nn.Module):
         q = rope_tail(unweighted_rms_norm(self.wq_b(q_res).view(T, H, d), self.eps), cos[:, None], sin[:, None])
         kv = rope_tail(self.norm(self.wkv(x)), cos, sin)
         mark = tracing.forward_mark()
-        mark(23)
+        lt = {"layer_type": self.layer_type}
+        mark(23, **lt)
         cache = self.cache
         cache.kv_cache.view(-1, d)[md.slot_mapping] = kv.to(cache.kv_cache.dtype)
-        mark(24)
+        mark(24, **lt)
         out = torch.empty_like(q)
         for rows, p0, table, slot, fresh in _requests(md):
             n = rows.stop - rows.start
@@ -136,7 +137,7 @@ class DeepseekV4Attention(nn.Module):
                 if self.indexer is not None:
                     self._compress(self.indexer.compressor, "index_state", cache.index_cache, x[rows], pos, p0,
                                    table, slot, fresh)
-                mark(23)
+                mark(23, **lt)
             first = max(0, p0 - self.window + 1)
             keys = cache.window_keys(table, first, p0 + n - 1)
             kpos = torch.arange(first, p0 + n)
@@ -145,17 +146,17 @@ class DeepseekV4Attention(nn.Module):
                 visible = torch.arange(n_entries)[None, :] < ((pos + 1) // self.compressor.rate)[:, None]
                 if self.indexer is not None:  # step 25: top-k entries per query
                     visible &= self._select(x[rows], q_res[rows], pos, table, n_entries, visible)
-                    mark(25)
+                    mark(25, **lt)
                 keys = torch.cat((keys, cache.entries(cache.entry_cache, table, n_entries)))
                 allowed = torch.cat((allowed, visible), dim=1)
             out[rows] = attend_with_sinks(q[rows], keys.to(q.dtype), allowed, self.attn_sink, d ** -0.5)
-            mark(27)
+            mark(27, **lt)
         out = rope_tail(out, cos[:, None], -sin[:, None])  # V carried rope: undo it at the query position
         g = self.o_groups
         w = self.wo_a.weight.view(g, -1, H * d // g)
         grouped = torch.bmm(out.reshape(T, g, -1).transpose(0, 1), w.transpose(1, 2)).transpose(0, 1)
         out = self.wo_b(grouped.reshape(T, -1))
-        mark(28)
+        mark(28, **lt)
         return out
 
     def _compress(self, comp: Compressor, which: str, entry_cache, x, pos, p0, table, slot, fresh) -> int:
@@ -302,7 +303,7 @@ class V4MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x, input_ids)
-        tracing.forward_mark()(29)
+        tracing.forward_mark()(29, routing="hash" if self.gate.hashed else "learned")
         return self.experts(x, weights, ids) + self.shared_experts(x)
 
 

@@ -1,0 +1,171 @@
+"""DeepSeek V4 on the tiny config of DEEPSEEK_V4.md §6 (SmolLM2's vocabulary): logits
+and greedy tokens against transformers, through chunked prefill, mixed batches, a
+prefix-cache hit and preemption; the cache's accounting."""
+import pytest
+import torch
+
+from lane import LLM, SamplingParams
+from lane.entrypoints.explain import explain
+from lane.entrypoints.tiny_model import write_tiny_model
+from conftest import assert_logprobs_match_hf, hf_greedy
+
+LENGTHS = (1, 3, 4, 15, 16, 17, 63, 64, 200)  # windows (16), CSA (4) and HCA (16) edges, top-8 selection
+
+
+@pytest.fixture(scope="module")
+def v4(tmp_path_factory):
+    return write_tiny_model("deepseek_v4", str(tmp_path_factory.mktemp("v4") / "v4"))
+
+
+@pytest.fixture(scope="module")
+def hf(v4):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(v4, dtype=torch.float32).eval()
+
+
+def _prompts(lengths, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 49152, (n,), generator=g).tolist() for n in lengths]
+
+
+def _llm(v4, **kw):
+    args = dict(dtype="float32", kv_cache_memory_bytes=16 << 20, show_progress=False, max_model_len=4096)
+    return LLM(v4, **{**args, **kw})
+
+
+def test_logits_match_transformers(v4, hf):
+    llm = _llm(v4)
+    assert type(llm.engine.worker.model).__name__ == "DeepseekV4ForCausalLM"
+    assert_logprobs_match_hf(llm, hf, _prompts(LENGTHS), 8, "v4")
+
+
+@pytest.mark.parametrize("chunk", [13, 37])
+def test_greedy_equals_transformers_chunked_and_batched(v4, hf, chunk):
+    """A batch of mixed lengths (no padding: each against its own reference), prefill
+    chunks of an odd size, 32 greedy tokens."""
+    llm = _llm(v4, max_num_batched_tokens=chunk, enable_prefix_caching=False)
+    prompts = _prompts(LENGTHS, seed=2)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(hf, p, 32), (chunk, len(p))
+
+
+def test_prefix_cache_hit_resumes_compression(v4, hf):
+    """A shared 128-token prefix (8 blocks) is served from the prefix cache: the window
+    K=V, the CSA / HCA entries and the CSA state snapshot at the block edge."""
+    llm = _llm(v4, max_num_batched_tokens=64)
+    shared = _prompts((128,), seed=3)[0]
+    first, second = [shared + t for t in _prompts((5, 21), seed=4)]
+    sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    out1 = llm.generate([{"prompt_token_ids": first}], sp, use_tqdm=False)[0]
+    hits = llm.prefix_cache_stats.hits
+    out2 = llm.generate([{"prompt_token_ids": second}], sp, use_tqdm=False)[0]
+    assert llm.prefix_cache_stats.hits - hits == 128
+    assert out1.outputs[0].token_ids == hf_greedy(hf, first, 32)
+    assert out2.outputs[0].token_ids == hf_greedy(hf, second, 32)
+
+
+def test_preemption_recomputes_state(v4, hf):
+    """A pool too small for every request at once: requests are preempted, their
+    running state dropped and rebuilt on recompute."""
+    llm = _llm(v4, kv_cache_memory_bytes=None, enable_prefix_caching=False)
+    per_block = llm.engine.worker.runner.kv_cache_bytes_per_block()
+    llm = _llm(v4, kv_cache_memory_bytes=per_block * 25, enable_prefix_caching=False, max_model_len=160)
+    prompts = _prompts((60, 90, 70, 50), seed=5)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=48, ignore_eos=True), use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(hf, p, 48), len(p)
+
+
+def test_cache_accounting_matches_explain(v4):
+    """Per layer type, the pool holds what `lane explain` reports; the V4 cache per token
+    is a small fraction of a dense MHA cache of the same width."""
+    llm = _llm(v4, dtype="bfloat16", kv_cache_memory_bytes=8 << 20)
+    runner = llm.engine.worker.runner
+    d, di, bs = 32, 16, 16
+    # SWA: K=V; CSA: + (entry + indexer key) / 4 + fp32 snapshot per block; HCA: + entry / 16
+    swa, csa, hca = d * 2, d * 2 + (d + di) * 2 / 4 + 3 * (d + di) * 4 / bs, d * 2 + d * 2 / 16
+    assert runner.kv_cache_bytes_per_block() == bs * (swa + 2 * csa + hca)
+    text = explain(v4, "bfloat16", bs, 8 << 20)
+    assert "backend: compressed" in text
+    for name, value in (("sliding_attention", swa), ("compressed_sparse_attention", csa),
+                        ("heavily_compressed_attention", hca)):
+        assert f"{name}: {value:,.1f} B" in text, (name, text)
+    blocks = int(text.split("->")[-1].split("blocks")[0].replace(",", ""))
+    assert blocks == llm.config.cache_config.num_blocks
+    dense_mha = 2 * 4 * d * 2  # K and V for 4 heads of 32, bf16
+    assert (swa + 2 * csa + hca) / 4 < dense_mha / 2
+    assert runner.num_state_slots == llm.config.scheduler_config.max_num_seqs + 1
+
+
+def test_legacy_compress_ratios_config(tmp_path):
+    """The legacy form (compress_ratios 0 / 4 / 128 per layer, rates 4 and 128): the block
+    size defaults to 128 (whole windows per block), and a 300-token prompt crosses two
+    HCA windows."""
+    from transformers import AutoModelForCausalLM
+
+    d = write_tiny_model("deepseek_v4", str(tmp_path / "legacy"), layer_types=None, compress_rates=None,
+                         compress_ratios=[0, 4, 128, 4])
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    assert hf.config.compress_rates["heavily_compressed_attention"] == 128
+    llm = _llm(d)
+    assert llm.config.cache_config.block_size == 128
+    assert_logprobs_match_hf(llm, hf, _prompts((300,), seed=6), 4, "legacy")
+    with pytest.raises(ValueError, match="--block-size 16 must be a multiple of 128"):
+        _llm(d, block_size=16)
+
+
+def test_trace_names_layer_types_and_routing(v4):
+    from lane.tracing import tracer
+
+    llm = _llm(v4)
+    try:
+        tracer.enable(layer_detail=True)
+        tracer.drain()
+        llm.generate([{"prompt_token_ids": _prompts((40,))[0]}],
+                     SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+        spans = tracer.drain()
+    finally:
+        tracer.enabled = tracer.layer_detail = False
+        tracer.drain()
+    forwards = sum(s.step == 20 for s in spans)
+
+    def attr_values(step, key):
+        return [s.attrs.get(key) for s in spans if s.step == step]
+    # per forward: 23 for all 4 layers plus the 3 compressed layers' compressor update
+    assert sorted(attr_values(27, "layer_type")) == sorted(
+        ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+         "compressed_sparse_attention"] * forwards)
+    assert set(attr_values(25, "layer_type")) == {"compressed_sparse_attention"}
+    assert sorted(attr_values(29, "routing")) == sorted(["hash", "learned", "learned", "learned"] * forwards)
+    assert len(attr_values(23, "layer_type")) == (4 + 3) * forwards
+
+
+def test_fp8_dense_weights_dequantised_on_load(tmp_path):
+    """V4 ships its dense attention / shared-expert linears in FP8 with ``.scale`` block
+    scales; lane dequantises them on load (reference computed here, block by block)."""
+    from safetensors import safe_open
+
+    d = write_tiny_model("deepseek_v4", str(tmp_path / "fp8"), fp8=True)
+    llm = _llm(d, kv_cache_memory_bytes=8 << 20)
+    params = dict(llm.engine.worker.model.named_parameters())
+    with safe_open(f"{d}/model.safetensors", "pt") as st:
+        for name in ("layers.1.attn.wq_b", "layers.2.attn.wo_a", "layers.3.ffn.shared_experts.w2"):
+            q, s = st.get_tensor(f"model.{name}.weight"), st.get_tensor(f"model.{name}.scale")
+            assert q.dtype == torch.float8_e4m3fn
+            ref = torch.empty(q.shape)
+            for i in range(s.shape[0]):
+                for j in range(s.shape[1]):
+                    blk = (slice(32 * i, 32 * (i + 1)), slice(32 * j, 32 * (j + 1)))
+                    ref[blk] = q[blk].float() * s[i, j]
+            assert torch.equal(params[f"{name}.weight"], ref), name
+        # compressor projections stay unquantised, as released
+        assert torch.equal(params["layers.1.attn.compressor.wkv.weight"],
+                           st.get_tensor("model.layers.1.attn.compressor.wkv.weight"))
+    out = llm.generate([{"prompt_token_ids": _prompts((30,))[0]}],
+                       SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 6
