@@ -78,40 +78,43 @@ def decode_tok_s(timer, model, ids, n_new: int, repeats: int) -> float:
     return len(ids) * n_new / best
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--batch-sizes", default="1,8")
-    ap.add_argument("--prompt-len", type=int, default=256)
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    ap.add_argument("--repeats", type=int, default=2)
-    args = ap.parse_args()
-    check_quiet()
-    d = model_dir()
+def compare(d: str, label: str, args, lane_kwargs: dict | None = None) -> dict:
+    """lane vs transformers decode tok/s on the model in ``d`` at each batch size, one run;
+    returns the headline JSON object."""
     from transformers import AutoModelForCausalLM
 
     from lane import LLM
 
-    dtype = getattr(torch, args.dtype)
     print("loading lane and transformers ...", flush=True)
     llm = LLM(d, dtype=args.dtype, kv_cache_memory_bytes=256 << 20, show_progress=False,
-              enable_prefix_caching=False)
-    hf = AutoModelForCausalLM.from_pretrained(d, dtype=dtype).eval()
-    results = {}
+              enable_prefix_caching=False, **(lane_kwargs or {}))
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=getattr(torch, args.dtype)).eval()
+    head = {"model": label, "dtype": args.dtype, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens}
     for b in [int(x) for x in args.batch_sizes.split(",")]:
         ids = prompts(b, args.prompt_len)
         lane_tps = decode_tok_s(time_lane, llm, ids, args.new_tokens, args.repeats)
         print(f"batch {b}: lane {lane_tps:8.1f} decode tok/s", flush=True)
         hf_tps = decode_tok_s(time_hf, hf, ids, args.new_tokens, args.repeats)
         print(f"batch {b}: HF   {hf_tps:8.1f} decode tok/s   ratio {lane_tps / hf_tps:.2f}", flush=True)
-        results[b] = (lane_tps, hf_tps)
-    head = {"model": "deepseek_v32 random, 8 layers, 32 experts (8 active), hidden 512", "dtype": args.dtype,
-            "prompt_len": args.prompt_len, "new_tokens": args.new_tokens}
-    for b, (lane_tps, hf_tps) in results.items():
-        head[f"lane_tok_s_b{b}"] = round(lane_tps, 1)
-        head[f"hf_tok_s_b{b}"] = round(hf_tps, 1)
-        head[f"ratio_b{b}"] = round(lane_tps / hf_tps, 2)
-    print(json.dumps(head))
+        head.update({f"lane_tok_s_b{b}": round(lane_tps, 1), f"hf_tok_s_b{b}": round(hf_tps, 1),
+                     f"ratio_b{b}": round(lane_tps / hf_tps, 2)})
+    return head
+
+
+def arguments(doc: str, dtype: str = "bfloat16") -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--batch-sizes", default="1,8")
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--dtype", default=dtype, choices=["bfloat16", "float32"])
+    ap.add_argument("--repeats", type=int, default=2)
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = arguments(__doc__)
+    check_quiet()
+    print(json.dumps(compare(model_dir(), "deepseek_v32 random, 8 layers, 32 experts (8 active), hidden 512", args)))
 
 
 if __name__ == "__main__":
