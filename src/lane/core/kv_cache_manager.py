@@ -117,12 +117,95 @@ class BlockPool:
         return True
 
 
+@dataclass
+class ComputedBlocks:
+    """A prefix-cache hit: main-pool blocks, and for a window group the window blocks
+    the next query's window needs (the null block before them)."""
+    blocks: list[KVCacheBlock]
+    window_blocks: list[KVCacheBlock] | None = None
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+
+class SlidingWindowBlocks:
+    """The sliding-window group (DeepSeek V4's raw K=V): its own pool and block tables.
+    Once no future query of a request can see a block (it ends before the next query's
+    window), the block is released: back to the free queue, or, hashed, kept findable
+    by the prefix cache until evicted. Its table slot becomes the null block."""
+
+    def __init__(self, num_blocks: int, block_size: int, window: int, enable_caching: bool) -> None:
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.block_size = block_size
+        self.window = window
+        self.req_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.num_cached: dict[str, int] = {}
+
+    def first_needed(self, num_computed: int) -> int:
+        """Index of the first block the query at position ``num_computed`` can see."""
+        return max(0, num_computed - self.window + 1) // self.block_size
+
+    def cached_window(self, req: Request, num_blocks: int) -> list[KVCacheBlock] | None:
+        """Window blocks for a hit of ``num_blocks`` full blocks, or None when one is gone."""
+        first = self.first_needed(num_blocks * self.block_size)
+        out = [self.pool.null_block] * first
+        for h in req.block_hashes[first:num_blocks]:
+            b = self.pool.get_cached_block(h)
+            if b is None:
+                return None
+            out.append(b)
+        return out
+
+    def num_new_blocks(self, req: Request, total_blocks: int, hit: list[KVCacheBlock]) -> int:
+        """Blocks to take from the free queue (new ones + cached ones that sit in it)."""
+        have = len(self.req_blocks.get(req.request_id, ())) + len(hit)
+        return max(total_blocks - have, 0) + sum(1 for b in hit if b.ref_cnt == 0 and b is not self.pool.null_block)
+
+    def allocate(self, req: Request, total_blocks: int, hit: list[KVCacheBlock]) -> None:
+        blocks = self.req_blocks.setdefault(req.request_id, [])
+        if hit:
+            self.pool.touch([b for b in hit if b is not self.pool.null_block])
+            blocks.extend(hit)
+            self.num_cached[req.request_id] = len(blocks)
+        blocks.extend(self.pool.get_new_blocks(max(total_blocks - len(blocks), 0)))
+
+    def cache_and_release(self, req: Request, num_full: int) -> None:
+        """Register newly full blocks in the prefix cache, then release the ones no
+        future query can see."""
+        blocks = self.req_blocks.get(req.request_id)
+        if not blocks:
+            return
+        start = self.num_cached.get(req.request_id, 0)
+        if self.pool.enable_caching and num_full > start:
+            for i in range(start, min(num_full, len(blocks))):
+                if blocks[i] is not self.pool.null_block:
+                    self.pool.cache_block(blocks[i], req.block_hashes[i])
+            self.num_cached[req.request_id] = num_full
+        null = self.pool.null_block
+        for i in range(min(self.first_needed(req.num_computed_tokens), len(blocks))):
+            if blocks[i] is not null:
+                self.pool.free_blocks([blocks[i]])
+                blocks[i] = null
+
+    def free(self, req: Request) -> None:
+        blocks = self.req_blocks.pop(req.request_id, [])
+        self.num_cached.pop(req.request_id, None)
+        self.pool.free_blocks([b for b in reversed(blocks) if b is not self.pool.null_block])
+
+    def block_ids(self, req: Request) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(req.request_id, ())]
+
+
 class KVCacheManager:
-    """Per-request block tables on top of the BlockPool."""
+    """Per-request block tables on top of the BlockPool (plus, for models with a sliding
+    window of raw tokens, the window group's own pool)."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 num_state_slots: int = 0) -> None:
+                 num_state_slots: int = 0, num_window_blocks: int = 0, window: int = 0) -> None:
         self.block_size = block_size
+        self.window = (SlidingWindowBlocks(num_window_blocks, block_size, window, enable_caching)
+                       if num_window_blocks else None)
         # running-state slots (compressed attention's pending windows), one per running
         # request, like a Mamba state; slot 0 is never handed out
         self.num_state_slots = num_state_slots
@@ -151,11 +234,12 @@ class KVCacheManager:
             hashes.append(hash_block_tokens(parent, req.all_token_ids[i * bs:(i + 1) * bs], extra))
 
     # -- scheduling interface ---------------------------------------------
-    def get_computed_blocks(self, req: Request) -> tuple[list[KVCacheBlock], int]:
+    def get_computed_blocks(self, req: Request) -> tuple[ComputedBlocks, int]:
         """Longest cached prefix of full blocks (step 16). At least the last
-        prompt token is always recomputed, so its logits exist."""
+        prompt token is always recomputed, so its logits exist. With a window group,
+        the hit also needs the window blocks the next query sees."""
         if not self.enable_caching:
-            return [], 0
+            return ComputedBlocks([]), 0
         self.update_block_hashes(req)
         max_blocks = (req.num_tokens - 1) // self.block_size
         hit: list[KVCacheBlock] = []
@@ -164,7 +248,14 @@ class KVCacheManager:
             if b is None:
                 break
             hit.append(b)
-        return hit, len(hit) * self.block_size
+        if self.window is None:
+            return ComputedBlocks(hit), len(hit) * self.block_size
+        while hit:
+            window = self.window.cached_window(req, len(hit))
+            if window is not None:
+                return ComputedBlocks(hit, window), len(hit) * self.block_size
+            hit.pop()
+        return ComputedBlocks([], []), 0
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count an admitted request's lookup (vLLM counts queries and hits in tokens)."""
@@ -172,10 +263,10 @@ class KVCacheManager:
         self.stats.hits += num_hit_tokens
 
     def allocate_slots(self, req: Request, num_new_tokens: int,
-                       new_computed_blocks: list[KVCacheBlock] | None = None) -> list[KVCacheBlock] | None:
+                       computed: ComputedBlocks | None = None) -> list[KVCacheBlock] | None:
         """Blocks for ``num_new_tokens`` more tokens (step 18 / 42), or None if
         the pool cannot supply them (the caller then preempts)."""
-        new_computed_blocks = new_computed_blocks or []
+        new_computed_blocks = computed.blocks if computed else []
         needs_slot = self.num_state_slots and req.request_id not in self.req_state_slot
         if needs_slot and not self.free_state_slots:
             return None
@@ -187,8 +278,14 @@ class KVCacheManager:
         num_evictable_touched = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if num_new + num_evictable_touched > self.pool.num_free_blocks:
             return None
+        window_hit = (computed.window_blocks if computed else None) or []
+        if self.window is not None and \
+                self.window.num_new_blocks(req, total_blocks, window_hit) > self.window.pool.num_free_blocks:
+            return None
         if needs_slot:
             self.req_state_slot[req.request_id] = self.free_state_slots.pop()
+        if self.window is not None:
+            self.window.allocate(req, total_blocks, window_hit)
         if new_computed_blocks:
             self.pool.touch(new_computed_blocks)
             blocks.extend(new_computed_blocks)
@@ -198,7 +295,12 @@ class KVCacheManager:
         return new_blocks
 
     def cache_full_blocks(self, req: Request) -> None:
-        """After a step: register newly completed blocks in the prefix cache."""
+        """After a step: register newly completed blocks in the prefix cache (and
+        release window blocks no future query can see)."""
+        if self.window is not None:
+            if self.enable_caching:
+                self.update_block_hashes(req)
+            self.window.cache_and_release(req, req.num_computed_tokens // self.block_size)
         if not self.enable_caching:
             return
         blocks = self.req_blocks.get(req.request_id)
@@ -219,6 +321,8 @@ class KVCacheManager:
         self.num_cached_blocks.pop(req.request_id, None)
         if (slot := self.req_state_slot.pop(req.request_id, None)) is not None:
             self.free_state_slots.append(slot)
+        if self.window is not None:
+            self.window.free(req)
         self.pool.free_blocks(reversed(blocks))
 
     def state_slot(self, req: Request) -> int:
@@ -226,6 +330,9 @@ class KVCacheManager:
 
     def get_block_ids(self, req: Request) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(req.request_id, ())]
+
+    def get_window_block_ids(self, req: Request) -> list[int] | None:
+        return self.window.block_ids(req) if self.window is not None else None
 
     @property
     def usage(self) -> float:

@@ -26,6 +26,7 @@ class ScheduledRequest:
     num_tokens: int  # tokens computed for it this step
     block_ids: list[int]
     state_slot: int = 0  # its running-state slot (models with compressed attention), 0 = none
+    window_block_ids: list[int] | None = None  # the sliding-window group's table (null block = released)
     fresh: bool = False  # first chunk since (re)admission: the running state starts anew here
 
     @property
@@ -75,7 +76,8 @@ class Scheduler:
         self.config = scheduler_config
         self.max_model_len = scheduler_config.max_model_len
         self.kv = KVCacheManager(cache_config.num_blocks, cache_config.block_size,
-                                 cache_config.enable_prefix_caching, cache_config.num_state_slots)
+                                 cache_config.enable_prefix_caching, cache_config.num_state_slots,
+                                 cache_config.num_window_blocks, cache_config.sliding_window)
         self.eos_token_ids = set(eos_token_ids or [])
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -119,7 +121,7 @@ class Scheduler:
                     break
             if req.status != RequestStatus.RUNNING:
                 break
-            out.scheduled.append(ScheduledRequest(req, n, self.kv.get_block_ids(req), self.kv.state_slot(req)))
+            out.scheduled.append(self._scheduled(req, n))
             if tracer.enabled:
                 self._trace_running(req, n, t_alloc)
             budget -= n
@@ -129,7 +131,7 @@ class Scheduler:
         while (not preempted_now and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
-            hit_blocks, n_hit = [], 0
+            hit_blocks, n_hit = None, 0
             t_lookup = time.monotonic() if tracer.enabled else 0.0
             if req.num_computed_tokens == 0:
                 hit_blocks, n_hit = self.kv.get_computed_blocks(req)  # step 16
@@ -139,7 +141,8 @@ class Scheduler:
                 break
             if tracer.enabled:
                 rid = [req.request_id]
-                tracer.record(16, t_lookup, t_alloc, rid, hit_tokens=n_hit, hit_blocks=len(hit_blocks),
+                tracer.record(16, t_lookup, t_alloc, rid, hit_tokens=n_hit,
+                              hit_blocks=hit_blocks.num_blocks if hit_blocks else 0,
                               prompt_tokens=req.num_prompt_tokens, caching=self.kv.enable_caching)
                 tracer.record(18, t_alloc, time.monotonic(), rid, blocks=len(self.kv.get_block_ids(req)))
                 tracer.record(17, t_alloc, t_alloc, rid, chunk=0, tokens=n,
@@ -156,10 +159,13 @@ class Scheduler:
             if not req.scheduled_ts:
                 req.scheduled_ts = time.monotonic()
             self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, n, self.kv.get_block_ids(req), self.kv.state_slot(req),
-                                                  fresh=True))
+            out.scheduled.append(self._scheduled(req, n, fresh=True))
             budget -= n
         return out
+
+    def _scheduled(self, req: Request, n: int, fresh: bool = False) -> ScheduledRequest:
+        return ScheduledRequest(req, n, self.kv.get_block_ids(req), self.kv.state_slot(req),
+                                self.kv.get_window_block_ids(req), fresh)
 
     def _trace_running(self, req: Request, n: int, t_alloc: float) -> None:
         """Spans of a running request's slice: a later prefill chunk (17, 18) or a decode (42)."""

@@ -43,24 +43,28 @@ class EngineCore:
         self.worker = Worker(config)
         cc = config.cache_config
         t_pool = time.monotonic()
-        cc.num_blocks = self.worker.determine_num_blocks()
-        self.worker.initialize_cache(cc.num_blocks)
+        plan = self.worker.determine_num_blocks()
+        cc.num_blocks, cc.num_window_blocks = plan.num_blocks, plan.num_window_blocks
+        self.worker.initialize_cache(plan)
         cc.num_state_slots = self.worker.runner.num_state_slots
+        cc.sliding_window = self.worker.runner.sliding_window
         if tracer.enabled:  # step 8
             tracer.record(8, t_pool, time.monotonic(), blocks=cc.num_blocks - 1, block_size=cc.block_size,
                           budget_mib=round(cc.budget_bytes() / 2**20, 1))
         self.warmup_s = self.worker.warmup()
         self.scheduler = Scheduler(config.scheduler_config, cc, config.model_config.eos_token_ids)
-        self.kv_cache_bytes = cc.num_blocks * self.worker.runner.kv_cache_bytes_per_block()
+        self.kv_cache_bytes = plan.total_bytes
         self.init_s = time.perf_counter() - t0
         mc = config.model_config
         logger.info("Model %s: %s, dtype %s, %d threads, CPU kernels %s, max_model_len %d",
                     mc.short_name, mc.architectures[0] if mc.architectures else "?",
                     str(mc.dtype).removeprefix("torch."), self.worker.threads,
                     "on" if cpu_kernels.available() else "off", mc.max_model_len)
-        logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB of a %.1f MiB budget); "
+        window = (f" + a sliding-window pool of {cc.num_window_blocks - 1} blocks ({cc.sliding_window}-token "
+                  f"windows)" if cc.num_window_blocks else "")
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens%s (%.1f MiB of a %.1f MiB budget); "
                     "prefix caching %s; init (load, KV pool, warm-up) took %.2f s",
-                    cc.num_blocks - 1, cc.block_size, (cc.num_blocks - 1) * cc.block_size,
+                    cc.num_blocks - 1, cc.block_size, (cc.num_blocks - 1) * cc.block_size, window,
                     self.kv_cache_bytes / 2**20, cc.budget_bytes() / 2**20,
                     "on" if cc.enable_prefix_caching else "off", self.init_s)
 

@@ -40,36 +40,47 @@ def cache_layout(cfg, backend: str, dtype_bytes: int) -> CacheLayout:
                        2 * heads * head_dim * dtype_bytes, layers)
 
 
-def _compressed_layout(cfg, block_size: int, dtype, lines: list[str]) -> int:
+def _compressed_layout(cfg, block_size: int, dtype, budget: int, lines: list[str]) -> int:
     """DeepSeek V4: the cache per layer type, from the cache layers' own shapes (what
-    the engine allocates); returns bytes per block over all layers."""
+    the engine allocates), and the two pools; returns the main pool's block count."""
     import math
 
+    from lane.config import SchedulerConfig
+    from lane.core.kv_cache_utils import plan_kv_pools, window_blocks_needed
     from lane.model_executor.layers.compressed_attention import V4AttentionCache
 
     types = list(getattr(cfg, "layer_types", None) or [])
     rates = getattr(cfg, "compress_rates", None) or {}
-    d, di = cfg.head_dim, getattr(cfg, "index_head_dim", 0) or 0
+    d, di, W = cfg.head_dim, getattr(cfg, "index_head_dim", 0) or 0, cfg.sliding_window
     dtype_name = str(dtype).removeprefix("torch.")
-    lines.append(f"  KV cache per token per layer ({dtype_name}), by layer type "
-                 f"(window {cfg.sliding_window} tokens of K=V in every layer):")
-    per_block = 0
+    lines.append(f"  KV cache per token per layer ({dtype_name}), by layer type:")
+    per_block = {"full": 0, "window": 0}
     for kind in dict.fromkeys(types):
-        layer = V4AttentionCache(kind, d, rates.get(kind, 0), di)
-        shapes = layer.cache_shapes(block_size)
-        nbytes = sum(math.prod(s) * (layer.cache_dtype(n) or dtype).itemsize for n, s in shapes.items())
+        layer = V4AttentionCache(kind, d, W, rates.get(kind, 0), di)
         count = types.count(kind)
-        per_block += nbytes * count
-        parts = ", ".join(f"{n} {'x'.join(map(str, s))}" for n, s in shapes.items())
+        sizes = {n: math.prod(s) * (layer.cache_dtype(n) or dtype).itemsize
+                 for n, s in layer.cache_shapes(block_size).items()}
+        for n, b in sizes.items():
+            per_block[layer.cache_group(n)] += b * count
+        main = sum(b for n, b in sizes.items() if layer.cache_group(n) == "full")
         state = sum(math.prod(s) * 4 for s in layer.state_shapes().values())
-        lines.append(f"    {kind}: {nbytes / block_size:,.1f} B x {count} layer{'s' * (count != 1)} ({parts} per block"
-                     + (f"; running state {state:,} B per request, float32" if state else "") + ")")
-    heads = cfg.num_attention_heads
-    dense = 2 * heads * d * dtype.itemsize * len(types)
-    lines.append(f"  per token, all {len(types)} layers: {per_block / block_size:,.1f} B (a dense MHA cache of the "
-                 f"same width: {dense:,} B, {dense * block_size / per_block:.0f}x more); a block of {block_size} "
-                 f"tokens: {per_block:,} B")
-    return per_block
+        parts = ", ".join(f"{n} {'x'.join(map(str, s))}" for n, s in layer.cache_shapes(block_size).items()
+                          if layer.cache_group(n) == "full")
+        lines.append(f"    {kind}: {main / block_size:,.1f} B x {count} layer{'s' * (count != 1)}"
+                     + (f" ({parts} per block; running state {state:,} B per request, float32)" if parts else "")
+                     + f" + window K=V {sizes['kv_cache'] / block_size:,.1f} B")
+    sc = SchedulerConfig()
+    plan = plan_kv_pools(budget, per_block["full"], per_block["window"],
+                         window_blocks_needed(W, block_size, sc.max_num_seqs, sc.max_num_batched_tokens))
+    dense = 2 * cfg.num_attention_heads * d * dtype.itemsize * len(types)
+    per_token = per_block["full"] / block_size
+    lines.append(f"  per token, all {len(types)} layers: {per_token:,.1f} B kept for the whole context (a dense "
+                 f"MHA cache of the same width: {dense:,} B, {dense / per_token:.0f}x more); a block of "
+                 f"{block_size} tokens: {per_block['full']:,} B")
+    lines.append(f"  window K=V ({W} tokens, every layer): its own pool of {plan.num_window_blocks - 1:,} blocks "
+                 f"of {per_block['window']:,} B (at most half the budget); blocks no query can see any more "
+                 f"are released")
+    return plan.num_blocks
 
 
 def explain(model: str | None, dtype: str = "auto", block_size: int | None = None,
@@ -116,7 +127,7 @@ def explain(model: str | None, dtype: str = "auto", block_size: int | None = Non
     dtype_name = str(mc.dtype).removeprefix("torch.")
     budget = CacheConfig(block_size, True, kv_cache_memory_bytes).budget_bytes()
     if choice.name == "compressed":
-        per_block = _compressed_layout(cfg, block_size, mc.dtype, lines)
+        blocks = _compressed_layout(cfg, block_size, mc.dtype, budget, lines)
     else:
         layout = cache_layout(cfg, choice.name, BYTES.get(dtype_name, 2))
         per_block = layout.bytes_per_token_layer * layout.num_layers * block_size
@@ -129,7 +140,7 @@ def explain(model: str | None, dtype: str = "auto", block_size: int | None = Non
         lines.append(f"  per token, all {layout.num_layers} layers: "
                      f"{layout.bytes_per_token_layer * layout.num_layers:,} B; "
                      f"a block of {block_size} tokens: {per_block:,} B")
-    blocks = budget // per_block if per_block else 0
+        blocks = budget // per_block if per_block else 0
     lines.append(f"  budget {budget / 2**20:,.1f} MiB -> {blocks:,} blocks, one of them the null block "
                  f"({(blocks - 1) * block_size:,} tokens)")
     return "\n".join(lines)

@@ -31,22 +31,27 @@ class ModelRunner:
         self.num_layers = getattr(config, "num_hidden_layers", None) or len(self.cache_layers)
         # one running-state slot per running request (+ slot 0, unused), if any layer keeps state
         self.num_state_slots = max_num_seqs + 1 if any(l.state_shapes() for l in self.cache_layers) else 0
+        # tokens the sliding-window group keeps (0: every cache tensor is in the main pool)
+        self.sliding_window = max((l.sliding_window for l in self.cache_layers), default=0)
         backend = platform.select_attention_backend(config) if config is not None else None
         # what traces say about step 27
         self.attention_attrs = {27: {"backend": backend.name, "why": backend.reason}} if backend else {}
 
     # -- step 8: the cache tensors -------------------------------------------
-    def kv_cache_bytes_per_block(self) -> int:
+    def kv_cache_bytes_per_block(self, group: str = "full") -> int:
+        """Bytes one block of the main pool ("full") or the window group's pool takes."""
         return sum(math.prod(shape) * (layer.cache_dtype(name) or self.dtype).itemsize
-                   for layer in self.cache_layers for name, shape in layer.cache_shapes(self.block_size).items())
+                   for layer in self.cache_layers for name, shape in layer.cache_shapes(self.block_size).items()
+                   if layer.cache_group(name) == group)
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
+    def allocate_kv_cache(self, num_blocks: int, num_window_blocks: int = 0) -> None:
         self.kv_caches = []
         for layer in self.cache_layers:
             for name, shape in layer.cache_shapes(self.block_size).items():
+                n = num_window_blocks if layer.cache_group(name) == "window" else num_blocks
                 # zeroed: padded and not-yet-written slots are read (then masked), and
                 # must hold finite values
-                t = torch.zeros((num_blocks, *shape), dtype=layer.cache_dtype(name) or self.dtype,
+                t = torch.zeros((n, *shape), dtype=layer.cache_dtype(name) or self.dtype,
                                 device=self.device)
                 setattr(layer, name, t)
                 self.kv_caches.append(t)
@@ -62,12 +67,16 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
+        window = sched.scheduled[0].window_block_ids is not None if sched.scheduled else False
+        wslots: list[int] = []
         for s in decodes:
             r = s.request
             p = r.num_computed_tokens
             input_ids.append(r.all_token_ids[p])
             positions.append(p)
             slots.append(s.block_ids[p // bs] * bs + p % bs)
+            if window:
+                wslots.append(s.window_block_ids[p // bs] * bs + p % bs)
         prefills: list[PrefillSpan] = []
         offset = len(decodes)
         for s in order[len(decodes):]:
@@ -78,12 +87,17 @@ class ModelRunner:
             positions.extend(pos)
             slots.extend(s.block_ids[p // bs] * bs + p % bs for p in pos)
             n_blocks = -(-end // bs)
-            prefills.append(PrefillSpan(offset, offset + s.num_tokens, start,
-                                        torch.tensor(s.block_ids[:n_blocks], dtype=torch.long),
-                                        s.state_slot, s.fresh))
+            span = PrefillSpan(offset, offset + s.num_tokens, start,
+                               torch.tensor(s.block_ids[:n_blocks], dtype=torch.long), s.state_slot, s.fresh)
+            if window:
+                wslots.extend(s.window_block_ids[p // bs] * bs + p % bs for p in pos)
+                span.window_block_ids = torch.tensor(s.window_block_ids[:n_blocks], dtype=torch.long)
+            prefills.append(span)
             offset += s.num_tokens
         md = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long),
                                num_decodes=len(decodes), prefills=prefills)
+        if window:
+            md.window_slot_mapping = torch.tensor(wslots, dtype=torch.long)
         if decodes:
             max_blocks = max(-(-(s.request.num_computed_tokens + 1) // bs) for s in decodes)
             table = [s.block_ids[:max_blocks] + [0] * (max_blocks - min(len(s.block_ids), max_blocks))
@@ -92,6 +106,10 @@ class ModelRunner:
             md.decode_context_lens = torch.tensor(
                 [s.request.num_computed_tokens + 1 for s in decodes], dtype=torch.int32)
             md.decode_state_slots = [s.state_slot for s in decodes]
+            if window:
+                md.decode_window_tables = torch.tensor(
+                    [s.window_block_ids[:max_blocks] + [0] * (max_blocks - min(len(s.window_block_ids), max_blocks))
+                     for s in decodes], dtype=torch.long)
         # rows whose token is the request's last pending one: these get logits
         sample_rows: list[int] = []
         sampling: list[ScheduledRequest] = []

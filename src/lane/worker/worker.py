@@ -18,6 +18,7 @@ from lane.tracing import tracer
 from lane.model_executor.layers.linear import prepack_linears
 from lane.model_executor.loader import get_model
 from lane.model_executor.layers.attention import AttentionMetadata, PrefillSpan, set_attention_metadata
+from lane.core.kv_cache_utils import KVPoolPlan, plan_kv_pools, window_blocks_needed
 from lane.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -40,24 +41,30 @@ class Worker:
         self.runner = ModelRunner(self.model, config.cache_config.block_size, mc.dtype, mc.device_type,
                                   config.scheduler_config.max_num_seqs)
 
-    def determine_num_blocks(self) -> int:
-        """Step 8: blocks that fit the KV budget (one of them the null block)."""
-        cc = self.config.cache_config
-        per_block = self.runner.kv_cache_bytes_per_block()
+    def determine_num_blocks(self) -> KVPoolPlan:
+        """Step 8: blocks that fit the KV budget (one of them the null block); a model
+        with a sliding-window group gets that group's pool first, sized to what the
+        running requests' windows can hold at once."""
+        cc, sc = self.config.cache_config, self.config.scheduler_config
+        per_window_block = self.runner.kv_cache_bytes_per_block("window")
+        window_blocks = (window_blocks_needed(self.runner.sliding_window, cc.block_size, sc.max_num_seqs,
+                                              sc.max_num_batched_tokens) if per_window_block else 0)
         budget = cc.budget_bytes()
-        num_blocks = budget // per_block
+        plan = plan_kv_pools(budget, self.runner.kv_cache_bytes_per_block(), per_window_block, window_blocks)
         max_len = self.config.model_config.max_model_len
         need = -(-max_len // cc.block_size) + 1
-        if num_blocks < need:
+        if plan.num_blocks < need:
+            extra = plan.num_window_blocks * per_window_block
             raise ValueError(
-                f"KV cache budget {budget / 2**20:.1f} MiB holds {num_blocks} blocks of "
-                f"{cc.block_size} tokens ({per_block} B each), but one request of max_model_len "
-                f"{max_len} needs {need}; raise --kv-cache-memory-bytes to at least "
-                f"{need * per_block} or lower --max-model-len")
-        return int(num_blocks)
+                f"KV cache budget {budget / 2**20:.1f} MiB holds {plan.num_blocks} blocks of "
+                f"{cc.block_size} tokens ({plan.bytes_per_block} B each"
+                + (f", after {extra} B for the sliding-window pool" if extra else "")
+                + f"), but one request of max_model_len {max_len} needs {need}; raise "
+                f"--kv-cache-memory-bytes to at least {need * plan.bytes_per_block + extra} or lower --max-model-len")
+        return plan
 
-    def initialize_cache(self, num_blocks: int) -> None:
-        self.runner.allocate_kv_cache(num_blocks)
+    def initialize_cache(self, plan: KVPoolPlan) -> None:
+        self.runner.allocate_kv_cache(plan.num_blocks, plan.num_window_blocks)
 
     @torch.inference_mode()
     def warmup(self) -> float:
@@ -68,8 +75,9 @@ class Worker:
         ids = torch.zeros(n, dtype=torch.long)
         pos = torch.arange(n)
         # write into blocks 1.. (not yet handed out), then re-zero them
-        md = AttentionMetadata(slot_mapping=pos + bs,
-                               prefills=[PrefillSpan(0, n, 0, torch.arange(1, 1 + -(-n // bs)))])
+        blocks = torch.arange(1, 1 + -(-n // bs))
+        md = AttentionMetadata(slot_mapping=pos + bs, window_slot_mapping=pos + bs,
+                               prefills=[PrefillSpan(0, n, 0, blocks, window_block_ids=blocks)])
         with set_attention_metadata(md):
             self.model.compute_logits(self.model(ids, pos)[-1:])
         for cache in self.runner.kv_caches:

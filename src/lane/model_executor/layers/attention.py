@@ -27,6 +27,7 @@ class PrefillSpan:
     block_ids: torch.Tensor  # the request's blocks covering num_computed + chunk
     state_slot: int = 0  # running-state slot (compressed attention)
     fresh: bool = False  # the request's first chunk since admission: its running state starts here
+    window_block_ids: torch.Tensor | None = None  # its sliding-window group's table
 
 
 @dataclass
@@ -36,6 +37,8 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None = None  # [B, max_blocks], null-padded
     decode_context_lens: torch.Tensor | None = None  # [B] int32
     decode_state_slots: list[int] | None = None  # [B] running-state slots (compressed attention)
+    window_slot_mapping: torch.Tensor | None = None  # [T] slots in the sliding-window group's pool
+    decode_window_tables: torch.Tensor | None = None  # [B, max_blocks] its block tables
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
@@ -93,6 +96,15 @@ class CacheLayer(nn.Module):
     def cache_dtype(self, name: str) -> torch.dtype | None:
         """A cache tensor's dtype when it is not the model's."""
         return None
+
+    def cache_group(self, name: str) -> str:
+        """"full" (the main pool) or "window" (the sliding-window group's own pool)."""
+        return "full"
+
+    @property
+    def sliding_window(self) -> int:
+        """Tokens the window group keeps visible (0: this layer has no window group)."""
+        return 0
 
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
         """Per-request running state (float32), one slot per running request; most

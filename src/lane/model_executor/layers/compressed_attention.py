@@ -111,9 +111,10 @@ def compress_chunk(kv: torch.Tensor, gate: torch.Tensor, p0: int, rate: int, ove
 class V4AttentionCache(CacheLayer):
     """One V4 layer's paged cache and running state (see the module docstring)."""
 
-    def __init__(self, layer_type: str, head_dim: int, rate: int = 0, index_head_dim: int = 0) -> None:
+    def __init__(self, layer_type: str, head_dim: int, window: int, rate: int = 0, index_head_dim: int = 0) -> None:
         super().__init__()
         self.layer_type = layer_type
+        self.window = window
         self.head_dim = head_dim
         self.rate = rate
         self.index_head_dim = index_head_dim if layer_type == "compressed_sparse_attention" else 0
@@ -146,6 +147,13 @@ class V4AttentionCache(CacheLayer):
     def cache_dtype(self, name: str) -> torch.dtype | None:
         return torch.float32 if name.endswith("_snap") else None
 
+    def cache_group(self, name: str) -> str:
+        return "window" if name == "kv_cache" else "full"
+
+    @property
+    def sliding_window(self) -> int:
+        return self.window
+
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
         if not self.rate:
             return {}
@@ -164,9 +172,9 @@ class V4AttentionCache(CacheLayer):
         pos = windows * self.rate
         return table[pos // self.kv_cache.shape[1]] * per_block + (pos % self.kv_cache.shape[1]) // self.rate
 
-    def window_keys(self, table: torch.Tensor, first: int, last: int) -> torch.Tensor:
-        """Cached K=V of positions first .. last -> [L, head_dim]"""
-        return self.kv_cache.view(-1, self.head_dim)[self.token_slots(table, torch.arange(first, last + 1))]
+    def window_keys(self, window_table: torch.Tensor, first: int, last: int) -> torch.Tensor:
+        """Cached K=V of positions first .. last (the window group's table) -> [L, head_dim]"""
+        return self.kv_cache.view(-1, self.head_dim)[self.token_slots(window_table, torch.arange(first, last + 1))]
 
     def entries(self, cache: torch.Tensor, table: torch.Tensor, count: int) -> torch.Tensor:
         return cache.view(-1, cache.shape[-1])[self.entry_slots(table, torch.arange(count))]

@@ -110,7 +110,7 @@ class DeepseekV4Attention(nn.Module):
         self.compressor = (Compressor(config.hidden_size, d, rate, self.layer_type == CSA, self.eps)
                            if rate else None)
         self.indexer = Indexer(config, rate) if self.layer_type == CSA else None
-        self.cache = V4AttentionCache(self.layer_type, d, rate, config.index_head_dim)
+        self.cache = V4AttentionCache(self.layer_type, d, self.window, rate, config.index_head_dim)
         self._rope = (rope,)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -124,10 +124,10 @@ class DeepseekV4Attention(nn.Module):
         lt = {"layer_type": self.layer_type}
         mark(23, **lt)
         cache = self.cache
-        cache.kv_cache.view(-1, d)[md.slot_mapping] = kv.to(cache.kv_cache.dtype)
+        cache.kv_cache.view(-1, d)[md.window_slot_mapping] = kv.to(cache.kv_cache.dtype)
         mark(24, **lt)
         out = torch.empty_like(q)
-        for rows, p0, table, slot, fresh in _requests(md):
+        for rows, p0, table, window_table, slot, fresh in _requests(md):
             n = rows.stop - rows.start
             pos = positions[rows]
             n_entries = 0
@@ -139,7 +139,7 @@ class DeepseekV4Attention(nn.Module):
                                    table, slot, fresh)
                 mark(23, **lt)
             first = max(0, p0 - self.window + 1)
-            keys = cache.window_keys(table, first, p0 + n - 1)
+            keys = cache.window_keys(window_table, first, p0 + n - 1)
             kpos = torch.arange(first, p0 + n)
             allowed = (kpos[None, :] <= pos[:, None]) & (kpos[None, :] > pos[:, None] - self.window)
             if n_entries:
@@ -189,12 +189,14 @@ class DeepseekV4Attention(nn.Module):
 
 
 def _requests(md):
-    """(rows, first position, block table, state slot, fresh) per request of the batch."""
+    """(rows, first position, block table, window table, state slot, fresh) per request of the batch."""
     for b in range(md.num_decodes):
         p0 = int(md.decode_context_lens[b]) - 1
-        yield slice(b, b + 1), p0, md.decode_block_tables[b], md.decode_state_slots[b], False
+        yield (slice(b, b + 1), p0, md.decode_block_tables[b], md.decode_window_tables[b],
+               md.decode_state_slots[b], False)
     for span in md.prefills:
-        yield slice(span.query_start, span.query_end), span.num_computed, span.block_ids, span.state_slot, span.fresh
+        yield (slice(span.query_start, span.query_end), span.num_computed, span.block_ids, span.window_block_ids,
+               span.state_slot, span.fresh)
 
 
 class HyperConnection(nn.Module):
