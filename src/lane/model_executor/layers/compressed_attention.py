@@ -39,6 +39,11 @@ def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
     return torch.cat((x[..., :-r], out), dim=-1)
 
 
+def row_acc(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """The accumulator of a single row per channel: [..., C] -> [..., 3, C]."""
+    return torch.stack((gate, torch.ones_like(gate), kv), dim=-2)
+
+
 def empty_acc(channels: int) -> torch.Tensor:
     """An accumulator over no rows: [3, C] = (max, denominator, weighted sum)."""
     acc = torch.zeros(3, channels)
@@ -163,14 +168,15 @@ class V4AttentionCache(CacheLayer):
         return shapes
 
     # -- addressing ---------------------------------------------------------------
+    # tables are one request's [blocks] with positions [L], or a batch's [B, blocks] with [B, L]
     def token_slots(self, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         bs = self.kv_cache.shape[1]
-        return table[positions // bs] * bs + positions % bs
+        return table.gather(-1, positions // bs) * bs + positions % bs
 
     def entry_slots(self, table: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
         per_block = self.entry_cache.shape[1]
         pos = windows * self.rate
-        return table[pos // self.kv_cache.shape[1]] * per_block + (pos % self.kv_cache.shape[1]) // self.rate
+        return table.gather(-1, pos // self.kv_cache.shape[1]) * per_block + (pos % self.kv_cache.shape[1]) // self.rate
 
     def window_keys(self, window_table: torch.Tensor, first: int, last: int) -> torch.Tensor:
         """Cached K=V of positions first .. last (the window group's table) -> [L, head_dim]"""
@@ -242,3 +248,15 @@ def attend_with_sinks(q: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor
     combined = combined - combined.amax(dim=-1, keepdim=True)
     probs = torch.softmax(combined, dim=-1)[..., :-1]
     return (probs.to(keys.dtype).reshape(n * H, -1) @ keys).view(n, H, d)
+
+
+def attend_with_sinks_batched(q: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor, sinks: torch.Tensor,
+                              scale: float) -> torch.Tensor:
+    """One query per request: q [B, H, d], keys [B, L, d], allowed [B, L] -> [B, H, d]."""
+    B, H, _ = q.shape
+    logits = torch.bmm(q, keys.transpose(1, 2)) * scale  # [B, H, L]
+    logits = logits.masked_fill(~allowed[:, None, :], NEG_INF)
+    combined = torch.cat((logits, sinks.view(1, H, 1).expand(B, H, 1).to(logits.dtype)), dim=-1)
+    combined = combined - combined.amax(dim=-1, keepdim=True)
+    probs = torch.softmax(combined, dim=-1)[..., :-1]
+    return torch.bmm(probs.to(keys.dtype), keys)

@@ -83,3 +83,7 @@ def rotary_(x, positions, cos, sin):
 
 def silu_and_mul(x):
     return _ext.silu_and_mul(x)
+
+
+def sinkhorn_(comb, iters, eps):
+    _ext.sinkhorn_(comb, iters, eps)

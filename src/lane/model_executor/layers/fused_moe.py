@@ -12,9 +12,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lane.model_executor.layers import cpu_kernels
 from lane.model_executor.layers.activation import silu_and_mul
-from lane.model_executor.layers.linear import SMALL_M
+from lane.model_executor.layers.linear import linear
 
 
 def grouped_topk(router_logits: torch.Tensor, top_k: int, *, scoring_func: str = "sigmoid",
@@ -53,12 +52,6 @@ def grouped_topk(router_logits: torch.Tensor, top_k: int, *, scoring_func: str =
     return weights * routed_scaling_factor, ids
 
 
-def _linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    if x.shape[0] <= SMALL_M and cpu_kernels.usable(x):
-        return cpu_kernels.small_m_linear(x, w, None)
-    return F.linear(x, w)
-
-
 class FusedMoE(nn.Module):
     """Routed experts' weights as stacked tensors: ``w13`` [E, 2I, H] (gate | up),
     ``w2`` [E, H, I]."""
@@ -88,8 +81,8 @@ class FusedMoE(nn.Module):
         start = 0
         for e, n in enumerate(counts.tolist()):
             if n:
-                h = self._act(_linear(rows[start:start + n], self.w13[e]))
-                out[start:start + n] = _linear(h, self.w2[e])
+                h = self._act(linear(rows[start:start + n], self.w13[e]))
+                out[start:start + n] = linear(h, self.w2[e])
                 start += n
         out *= topk_weights.reshape(-1)[order, None].to(out.dtype)
         return torch.zeros_like(x).index_add_(0, token_of, out)

@@ -40,6 +40,13 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` that takes the small-M kernel for one or two rows (decode)."""
+    if x.dim() == 2 and x.shape[0] <= SMALL_M and cpu_kernels.usable(x) and weight.is_contiguous():
+        return cpu_kernels.small_m_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 def prepack_linears(model: nn.Module) -> int:
     """Pack every Linear of a loaded model; returns how many were packed."""
     return sum(m.prepack() for m in model.modules() if isinstance(m, Linear))

@@ -26,9 +26,11 @@ import torch.nn.functional as F
 from lane import tracing
 from lane.model_executor.layers.attention import get_attention_metadata
 from lane.model_executor.layers.compressed_attention import (V4AttentionCache, V4RMSNorm, attend_with_sinks,
-                                                             compress_chunk, rope_tail, unweighted_rms_norm)
+                                                             attend_with_sinks_batched, compress_chunk, empty_acc,
+                                                             merge, rope_tail, row_acc, unweighted_rms_norm)
 from lane.model_executor.layers.fused_moe import FusedMoE
-from lane.model_executor.layers.linear import Linear
+from lane.model_executor.layers import cpu_kernels
+from lane.model_executor.layers.linear import Linear, linear
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +129,10 @@ class DeepseekV4Attention(nn.Module):
         cache.kv_cache.view(-1, d)[md.window_slot_mapping] = kv.to(cache.kv_cache.dtype)
         mark(24, **lt)
         out = torch.empty_like(q)
-        for rows, p0, table, window_table, slot, fresh in _requests(md):
+        nd = md.num_decodes
+        if nd:  # decodes: one batched pass
+            out[:nd] = self._decode(x[:nd], q[:nd], q_res[:nd], positions[:nd], md, mark, lt)
+        for rows, p0, table, window_table, slot, fresh in _requests(md, skip_decodes=True):
             n = rows.stop - rows.start
             pos = positions[rows]
             n_entries = 0
@@ -159,6 +164,84 @@ class DeepseekV4Attention(nn.Module):
         mark(28, **lt)
         return out
 
+    def _decode(self, x, q, q_res, pos, md, mark, lt) -> torch.Tensor:
+        """All decode rows at once: one token each folds into its request's running state
+        (closing a window emits an entry), then attention over [window ; entries]."""
+        cache, B = self.cache, x.shape[0]
+        tables, wtables = md.decode_block_tables, md.decode_window_tables
+        slots = torch.tensor(md.decode_state_slots)
+        n_entries = torch.zeros(B, dtype=torch.long)
+        if self.compressor is not None:
+            n_entries = self._decode_compress(self.compressor, "state", cache.entry_cache, x, pos, tables, slots)
+            if self.indexer is not None:
+                self._decode_compress(self.indexer.compressor, "index_state", cache.index_cache, x, pos, tables,
+                                      slots)
+            mark(23, **lt)
+        kpos = pos[:, None] - torch.arange(self.window - 1, -1, -1)[None, :]  # [B, W]: p - W + 1 .. p
+        allowed = kpos >= 0
+        keys = cache.kv_cache.view(-1, self.head_dim)[cache.token_slots(wtables, kpos.clamp(min=0))]
+        E = int(n_entries.max()) if self.compressor is not None else 0
+        if E:
+            windows = torch.arange(E).expand(B, E)
+            visible = windows < n_entries[:, None]
+            if self.indexer is not None:
+                visible &= self._select_batch(x, q_res, pos, tables, windows, visible)
+                mark(25, **lt)
+            entries = cache.entry_cache.view(-1, self.head_dim)[cache.entry_slots(tables, windows)]
+            keys = torch.cat((keys, entries), dim=1)
+            allowed = torch.cat((allowed, visible), dim=1)
+        out = attend_with_sinks_batched(q, keys.to(q.dtype), allowed, self.attn_sink, self.head_dim ** -0.5)
+        mark(27, **lt)
+        return out
+
+    def _decode_compress(self, comp: Compressor, which: str, entry_cache, x, pos, tables, slots) -> torch.Tensor:
+        """One row per request into its state; entries for the windows that close."""
+        cache, m = self.cache, comp.rate
+        kv, gate = comp.project(x, pos)  # [B, width]
+        state = getattr(cache, which)[slots]  # [B, 2, 3, C]
+        if comp.overlap:
+            C = kv.shape[1] // 2
+            cur = merge(state[:, 0], row_acc(kv[:, C:], gate[:, C:]))
+            nxt = merge(state[:, 1], row_acc(kv[:, :C], gate[:, :C]))
+        else:
+            cur, nxt = merge(state[:, 0], row_acc(kv, gate)), None
+        closes = (pos + 1) % m == 0
+        new_state = torch.stack((cur, nxt if nxt is not None else torch.zeros_like(cur)), dim=1)
+        empty = empty_acc(cur.shape[-1])
+        if nxt is None:
+            new_state[:, 1] = empty
+        if bool(closes.any()):
+            rows = closes.nonzero().squeeze(1)
+            done = cur[rows]
+            entries = comp.norm(done[:, 2] / done[:, 1])
+            w = pos[rows] // m
+            cos, sin = self._rope[0].cos_sin("compress", w * m)
+            entry_cache.view(-1, entry_cache.shape[-1])[cache.entry_slots(tables[rows], w[:, None])[:, 0]] = \
+                rope_tail(entries, cos, sin).to(entry_cache.dtype)
+            new_state[rows, 0] = nxt[rows] if nxt is not None else empty
+            new_state[rows, 1] = empty
+            if nxt is not None:  # block edges: snapshot the state for prefix-cache hits
+                bs = cache.kv_cache.shape[1]
+                edge = rows[(pos[rows] + 1) % bs == 0]
+                if edge.numel():
+                    snap = cache.entry_snap if which == "state" else cache.index_snap
+                    blocks = tables[edge].gather(1, ((pos[edge] + 1) // bs - 1)[:, None])[:, 0]
+                    snap[blocks] = nxt[edge]
+        getattr(cache, which)[slots] = new_state
+        return (pos + 1) // m
+
+    def _select_batch(self, x, q_res, pos, tables, windows, visible) -> torch.Tensor:
+        """The indexer's top-k visible entries for each decode row -> [B, E] bool."""
+        idx, B = self.indexer, x.shape[0]
+        cos, sin = self._rope[0].cos_sin("compress", pos)
+        q = rope_tail(idx.wq_b(q_res).view(B, idx.n_heads, idx.head_dim), cos[:, None], sin[:, None])
+        keys = self.cache.index_cache.view(-1, idx.head_dim)[self.cache.entry_slots(tables, windows)].float()
+        weights = idx.weights_proj(x.float()) * idx.n_heads ** -0.5  # [B, H_I]
+        scores = torch.relu(torch.bmm(q.float(), keys.transpose(1, 2))) * idx.head_dim ** -0.5  # [B, H_I, E]
+        scores = (scores * weights[..., None]).sum(dim=1).masked_fill(~visible, float("-inf"))
+        top = scores.topk(min(idx.topk, windows.shape[1]), dim=-1).indices
+        return torch.zeros_like(visible).scatter_(1, top, True)
+
     def _compress(self, comp: Compressor, which: str, entry_cache, x, pos, p0, table, slot, fresh) -> int:
         """Fold a request's rows into its running state, write the entries this chunk
         completes; returns how many entries the request has now."""
@@ -188,9 +271,9 @@ class DeepseekV4Attention(nn.Module):
         return torch.zeros_like(visible).scatter_(1, top, True)
 
 
-def _requests(md):
+def _requests(md, skip_decodes: bool = False):
     """(rows, first position, block table, window table, state slot, fresh) per request of the batch."""
-    for b in range(md.num_decodes):
+    for b in range(0 if skip_decodes else md.num_decodes):
         p0 = int(md.decode_context_lens[b]) - 1
         yield (slice(b, b + 1), p0, md.decode_block_tables[b], md.decode_window_tables[b],
                md.decode_state_slots[b], False)
@@ -215,16 +298,19 @@ class HyperConnection(nn.Module):
         """streams [T, hc, D] -> post [T, hc], comb [T, hc, hc], collapsed [T, D]"""
         hc = self.hc
         flat = unweighted_rms_norm(streams.reshape(streams.shape[0], -1).float(), self.norm_eps)
-        mix = F.linear(flat, self.fn)
+        mix = linear(flat, self.fn)
         pre_w, post_w, comb_w = mix.split([hc, hc, hc * hc], dim=-1)
         pre_b, post_b, comb_b = self.base.split([hc, hc, hc * hc])
         pre = torch.sigmoid(pre_w * self.scale[0] + pre_b) + self.hc_eps
         post = 2 * torch.sigmoid(post_w * self.scale[1] + post_b)
         comb = torch.softmax(comb_w.view(-1, hc, hc) * self.scale[2] + comb_b.view(hc, hc), dim=-1) + self.hc_eps
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
-        for _ in range(self.iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.hc_eps)
+        if cpu_kernels.usable(comb):  # ~80 tiny ops in torch: one call
+            cpu_kernels.sinkhorn_(comb, self.iters, self.hc_eps)
+        else:
             comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
+            for _ in range(self.iters - 1):
+                comb = comb / (comb.sum(dim=-1, keepdim=True) + self.hc_eps)
+                comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
         collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
         return post, comb, collapsed
 
@@ -245,7 +331,7 @@ class HyperHead(nn.Module):
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
         flat = unweighted_rms_norm(streams.reshape(streams.shape[0], -1).float(), self.norm_eps)
-        pre = torch.sigmoid(F.linear(flat, self.hc_fn) * self.hc_scale + self.hc_base) + self.hc_eps
+        pre = torch.sigmoid(linear(flat, self.hc_fn) * self.hc_scale + self.hc_base) + self.hc_eps
         return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
 
 

@@ -108,3 +108,39 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
   });
   return out;
 }
+
+// comb [T, n, n] float32, in place: columns, then (iters - 1) x (rows, columns), each
+// dividing by (sum + eps) -- DeepSeek V4's mHC mixing matrix, in the reference's order
+void sinkhorn_(torch::Tensor comb, int64_t iters, double eps_) {
+  TORCH_CHECK(comb.dim() == 3 && comb.size(1) == comb.size(2) && comb.is_contiguous() &&
+              comb.scalar_type() == at::kFloat, "sinkhorn_: contiguous float32 [T, n, n]");
+  const int64_t T = comb.size(0), n = comb.size(1);
+  const float eps = static_cast<float>(eps_);
+  float* base = comb.data_ptr<float>();
+  auto cols = [&](float* c) {
+    for (int64_t j = 0; j < n; ++j) {
+      float s = 0.f;
+      for (int64_t i = 0; i < n; ++i) s += c[i * n + j];
+      const float d = s + eps;
+      for (int64_t i = 0; i < n; ++i) c[i * n + j] /= d;
+    }
+  };
+  auto rows = [&](float* c) {
+    for (int64_t i = 0; i < n; ++i) {
+      float s = 0.f;
+      for (int64_t j = 0; j < n; ++j) s += c[i * n + j];
+      const float d = s + eps;
+      for (int64_t j = 0; j < n; ++j) c[i * n + j] /= d;
+    }
+  };
+  at::parallel_for(0, T, 64, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      float* c = base + t * n * n;
+      cols(c);
+      for (int64_t k = 1; k < iters; ++k) {
+        rows(c);
+        cols(c);
+      }
+    }
+  });
+}
