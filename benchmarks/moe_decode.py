@@ -37,13 +37,14 @@ CONFIG = dict(hidden_size=512, intermediate_size=1024, moe_intermediate_size=256
 MODEL_DIR = os.path.expanduser(os.path.join("~", ".cache", "lane", "bench-moe-v32"))
 
 
-def model_dir() -> str:
-    if not os.path.exists(os.path.join(MODEL_DIR, "model.safetensors")):
+def cached_model(arch: str, out_dir: str, config: dict) -> str:
+    """The benchmark's random checkpoint, written once."""
+    if not os.path.exists(os.path.join(out_dir, "model.safetensors")):
         from lane.entrypoints.tiny_model import write_tiny_model
 
-        print(f"writing the benchmark model to {MODEL_DIR} ...", flush=True)
-        write_tiny_model("deepseek_v32", MODEL_DIR, seed=0, **CONFIG)
-    return MODEL_DIR
+        print(f"writing the benchmark model to {out_dir} ...", flush=True)
+        write_tiny_model(arch, out_dir, seed=0, **config)
+    return out_dir
 
 
 def prompts(batch: int, length: int) -> list[list[int]]:
@@ -114,7 +115,7 @@ def arguments(doc: str, dtype: str = "bfloat16") -> argparse.Namespace:
 def main() -> None:
     args = arguments(__doc__)
     check_quiet()
-    print(json.dumps(compare(model_dir(), "deepseek_v32 random, 8 layers, 32 experts (8 active), hidden 512", args)))
+    print(json.dumps(compare(cached_model("deepseek_v32", MODEL_DIR, CONFIG), "deepseek_v32 random, 8 layers, 32 experts (8 active), hidden 512", args)))
 
 
 if __name__ == "__main__":

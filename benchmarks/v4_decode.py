@@ -19,7 +19,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from moe_decode import arguments, compare  # noqa: E402
+from moe_decode import arguments, cached_model, compare  # noqa: E402
 from offline_throughput import check_quiet  # noqa: E402
 
 CONFIG = dict(
@@ -33,21 +33,12 @@ CONFIG = dict(
 MODEL_DIR = os.path.expanduser(os.path.join("~", ".cache", "lane", "bench-v4"))
 
 
-def model_dir() -> str:
-    if not os.path.exists(os.path.join(MODEL_DIR, "model.safetensors")):
-        from lane.entrypoints.tiny_model import write_tiny_model
-
-        print(f"writing the benchmark model to {MODEL_DIR} ...", flush=True)
-        write_tiny_model("deepseek_v4", MODEL_DIR, seed=0, **CONFIG)
-    return MODEL_DIR
-
-
 def main() -> None:
     args = arguments(__doc__)
     if args.prompt_len == 256:
         args.prompt_len = 512
     check_quiet()
-    print(json.dumps(compare(model_dir(), "deepseek_v4 random, 8 layers (2 SWA, 3 CSA, 3 HCA), hidden 512, "
+    print(json.dumps(compare(cached_model("deepseek_v4", MODEL_DIR, CONFIG), "deepseek_v4 random, 8 layers (2 SWA, 3 CSA, 3 HCA), hidden 512, "
                                           "16 experts (4 active), hc_mult 4", args)))
 
 

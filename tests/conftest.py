@@ -110,3 +110,19 @@ def assert_logprobs_match_hf(llm, hf, prompts: list[list[int]], n_new: int, case
             for tid, val in zip(ref_top.indices.tolist(), ref_top.values.tolist()):
                 assert tid in lane_lp
                 assert lane_lp[tid].logprob == pytest.approx(val, abs=tol), (case, len(ids), t, tid)
+
+
+def traced_spans(llm, prompt_token_ids: list[int], max_tokens: int, layer_detail: bool = True) -> list:
+    """The spans one greedy generation records with tracing on (then off again)."""
+    from lane import SamplingParams
+    from lane.tracing import tracer
+
+    try:
+        tracer.enable(layer_detail=layer_detail)
+        tracer.drain()
+        llm.generate([{"prompt_token_ids": prompt_token_ids}],
+                     SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+        return tracer.drain()
+    finally:
+        tracer.enabled = tracer.layer_detail = False
+        tracer.drain()

@@ -8,7 +8,7 @@ from lane import LLM, SamplingParams
 from lane.entrypoints.explain import explain
 from lane.entrypoints.tiny_model import quantize_block_fp8, write_tiny_model
 from lane.model_executor.loader.fp8 import dequantize_block_fp8
-from conftest import assert_logprobs_match_hf, hf_greedy
+from conftest import assert_logprobs_match_hf, hf_greedy, traced_spans
 
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 256,
         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
@@ -166,18 +166,8 @@ def test_expert_heat_counts_every_routed_token(tiny):
 
 
 def test_trace_has_indexer_and_router_steps(tiny):
-    from lane.tracing import tracer
-
     llm = LLM(tiny("v32"), dtype="float32", kv_cache_memory_bytes=8 << 20, show_progress=False)
-    try:
-        tracer.enable(layer_detail=True)
-        tracer.drain()
-        llm.generate([{"prompt_token_ids": _prompts((40,))[0]}],
-                     SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
-        spans = tracer.drain()
-    finally:
-        tracer.enabled = tracer.layer_detail = False
-        tracer.drain()
+    spans = traced_spans(llm, _prompts((40,))[0], 3)
     forwards = sum(s.step == 20 for s in spans)
     assert forwards == 3
     for step, per_forward in ((23, 3), (24, 3), (25, 3), (27, 3), (28, 3), (29, 2), (30, 3)):

@@ -7,7 +7,7 @@ import torch
 from lane import LLM, SamplingParams
 from lane.entrypoints.explain import explain
 from lane.entrypoints.tiny_model import write_tiny_model
-from conftest import assert_logprobs_match_hf, hf_greedy
+from conftest import assert_logprobs_match_hf, hf_greedy, traced_spans
 
 LENGTHS = (1, 3, 4, 15, 16, 17, 63, 64, 200)  # windows (16), CSA (4) and HCA (16) edges, top-8 selection
 
@@ -176,18 +176,7 @@ def test_legacy_compress_ratios_config(tmp_path):
 
 
 def test_trace_names_layer_types_and_routing(v4):
-    from lane.tracing import tracer
-
-    llm = _llm(v4)
-    try:
-        tracer.enable(layer_detail=True)
-        tracer.drain()
-        llm.generate([{"prompt_token_ids": _prompts((40,))[0]}],
-                     SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
-        spans = tracer.drain()
-    finally:
-        tracer.enabled = tracer.layer_detail = False
-        tracer.drain()
+    spans = traced_spans(_llm(v4), _prompts((40,))[0], 2)
     forwards = sum(s.step == 20 for s in spans)
 
     def attr_values(step, key):
