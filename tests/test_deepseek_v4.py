@@ -214,3 +214,22 @@ def test_fp8_dense_weights_dequantised_on_load(tmp_path):
     out = llm.generate([{"prompt_token_ids": _prompts((30,))[0]}],
                        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 6
+
+
+def test_transformers_internal_weight_names_load(v4, hf, tmp_path):
+    """A checkpoint in transformers' own names (``self_attn.q_a_proj``, fused 3-D
+    ``mlp.experts.gate_up_proj``, ``attn_hc.fn``, ``lm_head``...) loads to the same model."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    d = tmp_path / "hf-names"
+    shutil.copytree(v4, d, ignore=shutil.ignore_patterns("*.safetensors"))
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    assert "model.layers.1.mlp.experts.gate_up_proj" in state and "lm_head.weight" in state
+    save_file(state, str(d / "model.safetensors"))
+    a = dict(_llm(v4).engine.worker.model.named_parameters())
+    b = dict(_llm(str(d)).engine.worker.model.named_parameters())
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
