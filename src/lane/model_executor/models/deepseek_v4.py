@@ -132,36 +132,40 @@ class DeepseekV4Attention(nn.Module):
         nd = md.num_decodes
         if nd:  # decodes: one batched pass
             out[:nd] = self._decode(x[:nd], q[:nd], q_res[:nd], positions[:nd], md, mark, lt)
-        for rows, p0, table, window_table, slot, fresh in _requests(md, skip_decodes=True):
-            n = rows.stop - rows.start
-            pos = positions[rows]
-            n_entries = 0
-            if self.compressor is not None:  # step 23: this chunk's windows into entries
-                n_entries = self._compress(self.compressor, "state", cache.entry_cache, x[rows], pos, p0, table,
-                                           slot, fresh)
-                if self.indexer is not None:
-                    self._compress(self.indexer.compressor, "index_state", cache.index_cache, x[rows], pos, p0,
-                                   table, slot, fresh)
-                mark(23, **lt)
-            first = max(0, p0 - self.window + 1)
-            keys = cache.window_keys(window_table, first, p0 + n - 1)
-            kpos = torch.arange(first, p0 + n)
-            allowed = (kpos[None, :] <= pos[:, None]) & (kpos[None, :] > pos[:, None] - self.window)
-            if n_entries:
-                visible = torch.arange(n_entries)[None, :] < ((pos + 1) // self.compressor.rate)[:, None]
-                if self.indexer is not None:  # step 25: top-k entries per query
-                    visible &= self._select(x[rows], q_res[rows], pos, table, n_entries, visible)
-                    mark(25, **lt)
-                keys = torch.cat((keys, cache.entries(cache.entry_cache, table, n_entries)))
-                allowed = torch.cat((allowed, visible), dim=1)
-            out[rows] = attend_with_sinks(q[rows], keys.to(q.dtype), allowed, self.attn_sink, d ** -0.5)
-            mark(27, **lt)
+        for span in md.prefills:  # prefill chunks: one request at a time
+            rows = slice(span.query_start, span.query_end)
+            out[rows] = self._prefill(x[rows], q[rows], q_res[rows], positions[rows], span, mark, lt)
         out = rope_tail(out, cos[:, None], -sin[:, None])  # V carried rope: undo it at the query position
         g = self.o_groups
         w = self.wo_a.weight.view(g, -1, H * d // g)
         grouped = torch.bmm(out.reshape(T, g, -1).transpose(0, 1), w.transpose(1, 2)).transpose(0, 1)
         out = self.wo_b(grouped.reshape(T, -1))
         mark(28, **lt)
+        return out
+
+    def _prefill(self, x, q, q_res, pos, span, mark, lt) -> torch.Tensor:
+        """One request's chunk: fold it into the running state (emitting the entries of
+        the windows it completes), then attention over [window ; entries]."""
+        cache, p0, table, n = self.cache, span.num_computed, span.block_ids, x.shape[0]
+        n_entries = 0
+        if self.compressor is not None:  # step 23: this chunk's windows into entries
+            n_entries = self._compress(self.compressor, "state", cache.entry_cache, x, pos, span)
+            if self.indexer is not None:
+                self._compress(self.indexer.compressor, "index_state", cache.index_cache, x, pos, span)
+            mark(23, **lt)
+        first = max(0, p0 - self.window + 1)
+        keys = cache.window_keys(span.window_block_ids, first, p0 + n - 1)
+        kpos = torch.arange(first, p0 + n)
+        allowed = (kpos[None, :] <= pos[:, None]) & (kpos[None, :] > pos[:, None] - self.window)
+        if n_entries:
+            visible = torch.arange(n_entries)[None, :] < ((pos + 1) // self.compressor.rate)[:, None]
+            if self.indexer is not None:  # step 25: top-k entries per query
+                visible &= self._select(x, q_res, pos, table, n_entries, visible)
+                mark(25, **lt)
+            keys = torch.cat((keys, cache.entries(cache.entry_cache, table, n_entries)))
+            allowed = torch.cat((allowed, visible), dim=1)
+        out = attend_with_sinks(q, keys.to(q.dtype), allowed, self.attn_sink, self.head_dim ** -0.5)
+        mark(27, **lt)
         return out
 
     def _decode(self, x, q, q_res, pos, md, mark, lt) -> torch.Tensor:
@@ -242,12 +246,12 @@ class DeepseekV4Attention(nn.Module):
         top = scores.topk(min(idx.topk, windows.shape[1]), dim=-1).indices
         return torch.zeros_like(visible).scatter_(1, top, True)
 
-    def _compress(self, comp: Compressor, which: str, entry_cache, x, pos, p0, table, slot, fresh) -> int:
+    def _compress(self, comp: Compressor, which: str, entry_cache, x, pos, span) -> int:
         """Fold a request's rows into its running state, write the entries this chunk
         completes; returns how many entries the request has now."""
-        cache = self.cache
+        cache, p0, table, slot = self.cache, span.num_computed, span.block_ids, span.state_slot
         kv, gate = comp.project(x, pos)
-        state = cache.load_state(which, slot, p0, fresh, table)
+        state = cache.load_state(which, slot, p0, span.fresh, table)
         res = compress_chunk(kv, gate, p0, comp.rate, comp.overlap, state)
         if res.pooled.shape[0]:
             entries = comp.norm(res.pooled)
@@ -269,17 +273,6 @@ class DeepseekV4Attention(nn.Module):
         scores = (scores * weights[..., None]).sum(dim=1).masked_fill(~visible, float("-inf"))
         top = scores.topk(min(idx.topk, n_entries), dim=-1).indices
         return torch.zeros_like(visible).scatter_(1, top, True)
-
-
-def _requests(md, skip_decodes: bool = False):
-    """(rows, first position, block table, window table, state slot, fresh) per request of the batch."""
-    for b in range(0 if skip_decodes else md.num_decodes):
-        p0 = int(md.decode_context_lens[b]) - 1
-        yield (slice(b, b + 1), p0, md.decode_block_tables[b], md.decode_window_tables[b],
-               md.decode_state_slots[b], False)
-    for span in md.prefills:
-        yield (slice(span.query_start, span.query_end), span.num_computed, span.block_ids, span.window_block_ids,
-               span.state_slot, span.fresh)
 
 
 class HyperConnection(nn.Module):
