@@ -35,6 +35,27 @@ def test_paged_decode_attention(dtype, tol, kvh, g, d, bs):
     torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_paged_decode_attention_one_kv_head_splits_query_heads(dtype, tol):
+    """MLA's absorbed decode: one latent "KV head" of 576 (DeepSeek V3), K = V = the cache,
+    fewer requests than threads: the query heads are split over the threads."""
+    torch.manual_seed(0)
+    prev = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        nb, bs, d, H = 32, 16, 576, 16
+        cache = torch.randn(nb, 1, bs, d).to(dtype)
+        for B, lens in ((1, [37]), (2, [5, 70])):
+            lens = torch.tensor(lens, dtype=torch.int32)
+            tables = torch.stack([torch.randperm(nb - 1)[:5] + 1 for _ in range(B)])
+            q = torch.randn(B, H, d).to(dtype)
+            ref = decode_attention_torch(q, cache, cache, tables, lens, 0.1).float()
+            out = cpu_kernels.decode_attention(q, cache, cache, tables, lens, 0.1).float()
+            torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+    finally:
+        torch.set_num_threads(prev)
+
+
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 8])
 @pytest.mark.parametrize("bias", [False, True])

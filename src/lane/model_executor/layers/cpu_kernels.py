@@ -1,5 +1,5 @@
 """Compiled CPU kernels, built once per machine on first use (torch's C++
-extension loader, cached under ~/.cache/torch_extensions).
+extension loader, cached per checkout and source version under ~/.cache/lane/kernels).
 
 Paged decode attention in torch must gather every request's blocks into a
 padded copy first; on a CPU that copy costs more than the attention itself.
@@ -37,7 +37,7 @@ def build() -> bool:
 
         t0 = time.perf_counter()
         logger.info("Loading the CPU kernels (compiled on first use on this machine: about a minute then)")
-        _ext = load(name="lane_cpu_kernels", sources=_SOURCES,
+        _ext = load(name="lane_cpu_kernels", sources=_SOURCES, build_directory=_build_dir(),
                     extra_cflags=["-O3", "-march=native", "-ffast-math", "-mprefer-vector-width=512", "-fopenmp"],
                     extra_ldflags=["-fopenmp"], verbose=False)
         logger.info("CPU kernels ready in %.1f s", time.perf_counter() - t0)
@@ -45,6 +45,22 @@ def build() -> bool:
         logger.warning("CPU kernels unavailable, using the torch paths (%s)", str(e).splitlines()[0])
         _ext = None
     return _ext is not None
+
+
+def _build_dir() -> str:
+    """One build per checkout and source version: two checkouts (a clean-clone CI next to
+    a working tree) would otherwise rebuild torch's shared default directory in turn."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for path in _SOURCES:
+        digest.update(path.encode())
+        with open(path, "rb") as f:
+            digest.update(f.read())
+    root = os.environ.get("LANE_KERNEL_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "lane", "kernels"))
+    path = os.path.join(root, digest.hexdigest()[:16])
+    os.makedirs(path, exist_ok=True)
+    return path
 
 
 def available() -> bool:

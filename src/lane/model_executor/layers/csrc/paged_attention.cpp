@@ -338,6 +338,24 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   auto out = torch::empty_like(q);
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t KVH = k_cache.size(1), BS = k_cache.size(2), MB = tables.size(1);
+  // Work is split over (request, KV head). With one KV head (MQA, MLA's latent) and fewer
+  // requests than threads, split the query heads too, so every thread gets some.
+  const int64_t threads = at::get_num_threads();
+  if (KVH == 1 && B < threads && H > 1 && !at::in_parallel_region()) {
+    const int64_t splits = std::min<int64_t>(H, threads / B);
+    if (splits > 1) {
+      const int64_t hc = (H + splits - 1) / splits;
+      at::parallel_for(0, splits, 1, [&](int64_t s0, int64_t s1) {
+        for (int64_t s = s0; s < s1; ++s) {
+          const int64_t h0 = s * hc, n = std::min(hc, H - h0);
+          if (n <= 0) continue;
+          out.narrow(1, h0, n).copy_(paged_decode_attention(q.narrow(1, h0, n).contiguous(), k_cache, v_cache,
+                                                            tables, lens, scale));
+        }
+      });
+      return out;
+    }
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
     auto run = [&](auto kernel) {
       kernel(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
