@@ -338,37 +338,37 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   auto out = torch::empty_like(q);
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t KVH = k_cache.size(1), BS = k_cache.size(2), MB = tables.size(1);
-  // Work is split over (request, KV head). With one KV head (MQA, MLA's latent) and fewer
-  // requests than threads, split the query heads too, so every thread gets some.
-  const int64_t threads = at::get_num_threads();
-  if (KVH == 1 && B < threads && H > 1 && !at::in_parallel_region()) {
-    const int64_t splits = std::min<int64_t>(H, threads / B);
+  const float sc = static_cast<float>(scale);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
+    const scalar_t* kc = k_cache.data_ptr<scalar_t>();
+    const scalar_t* vc = v_cache.data_ptr<scalar_t>();
+    // nb requests starting at q_ / tables_ / lens_ / out_, nh query heads each
+    auto launch = [&](const scalar_t* q_, const int64_t* tables_, const int32_t* lens_, scalar_t* out_,
+                      int64_t nb, int64_t nh) {
+      if (try_avx512(q_, kc, vc, tables_, lens_, out_, nb, nh, KVH, D, BS, MB, sc)) return;
+      if (D == 64) decode_kernel<scalar_t, 64>(q_, kc, vc, tables_, lens_, out_, nb, nh, KVH, D, BS, MB, sc);
+      else if (D == 128) decode_kernel<scalar_t, 128>(q_, kc, vc, tables_, lens_, out_, nb, nh, KVH, D, BS, MB, sc);
+      else decode_kernel<scalar_t, 0>(q_, kc, vc, tables_, lens_, out_, nb, nh, KVH, D, BS, MB, sc);
+    };
+    const scalar_t* qp = q.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const int64_t* tp = tables.data_ptr<int64_t>();
+    const int32_t* lp = lens.data_ptr<int32_t>();
+    // Work is split over (request, KV head). With one KV head (MQA, MLA's latent) and fewer
+    // requests than threads, each request's query heads are split too, so every thread gets some.
+    const int64_t threads = at::get_num_threads();
+    const int64_t splits = (KVH == 1 && B < threads) ? std::min<int64_t>(H, threads / B) : 1;
     if (splits > 1) {
       const int64_t hc = (H + splits - 1) / splits;
-      at::parallel_for(0, splits, 1, [&](int64_t s0, int64_t s1) {
-        for (int64_t s = s0; s < s1; ++s) {
-          const int64_t h0 = s * hc, n = std::min(hc, H - h0);
-          if (n <= 0) continue;
-          out.narrow(1, h0, n).copy_(paged_decode_attention(q.narrow(1, h0, n).contiguous(), k_cache, v_cache,
-                                                            tables, lens, scale));
+      at::parallel_for(0, B * splits, 1, [&](int64_t u0, int64_t u1) {
+        for (int64_t u = u0; u < u1; ++u) {  // raw pointers only: no tensor ops on pool threads
+          const int64_t b = u / splits, h0 = (u % splits) * hc, n = std::min(hc, H - h0);
+          if (n > 0) launch(qp + (b * H + h0) * D, tp + b * MB, lp + b, op + (b * H + h0) * D, 1, n);
         }
       });
-      return out;
+    } else {
+      launch(qp, tp, lp, op, B, H);
     }
-  }
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
-    auto run = [&](auto kernel) {
-      kernel(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-             tables.data_ptr<int64_t>(), lens.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), B, H,
-             KVH, D, BS, MB, static_cast<float>(scale));
-    };
-    if (try_avx512(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                   tables.data_ptr<int64_t>(), lens.data_ptr<int32_t>(), out.data_ptr<scalar_t>(), B,
-                   H, KVH, D, BS, MB, static_cast<float>(scale)))
-      return;
-    if (D == 64) run(decode_kernel<scalar_t, 64>);
-    else if (D == 128) run(decode_kernel<scalar_t, 128>);
-    else run(decode_kernel<scalar_t, 0>);
   });
   return out;
 }
