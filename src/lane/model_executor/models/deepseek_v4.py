@@ -79,7 +79,7 @@ class Compressor(nn.Module):
         return self.wkv(x), self.wgate(x) + self.ape[positions % self.rate]
 
 
-class Indexer(nn.Module):
+class CSAIndexer(nn.Module):
     """CSA's lightning indexer: its own compressor over the same windows, query
     heads from the q LoRA, and per-head weights."""
 
@@ -111,7 +111,7 @@ class DeepseekV4Attention(nn.Module):
         rate = config.compress_rates[self.layer_type] if self.layer_type != SWA else 0
         self.compressor = (Compressor(config.hidden_size, d, rate, self.layer_type == CSA, self.eps)
                            if rate else None)
-        self.indexer = Indexer(config, rate) if self.layer_type == CSA else None
+        self.indexer = CSAIndexer(config, rate) if self.layer_type == CSA else None
         self.cache = V4AttentionCache(self.layer_type, d, self.window, rate, config.index_head_dim)
         self._rope = (rope,)
 
@@ -495,19 +495,3 @@ class DeepseekV4ForCausalLM(nn.Module):
                 dst.copy_(tensor)
             loaded.add(target)
         return loaded
-
-
-def kv_bytes_per_token(config, dtype_bytes: int) -> dict[str, float]:
-    """Cache bytes per token per layer, by layer type (what the paged pool holds)."""
-    d, di = config.head_dim, config.index_head_dim
-    rates = config.compress_rates
-    return {SWA: d * dtype_bytes,
-            CSA: d * dtype_bytes + (d + di) * dtype_bytes / rates[CSA],
-            HCA: d * dtype_bytes + d * dtype_bytes / rates[HCA]}
-
-
-def running_state_bytes(config) -> dict[str, int]:
-    """float32 running state per request per compressed layer (online accumulators)."""
-    d, di = config.head_dim, config.index_head_dim
-    return {CSA: 2 * 3 * (d + di) * 4, HCA: 2 * 3 * d * 4}
-
