@@ -129,18 +129,67 @@ class ComputedBlocks:
         return len(self.blocks)
 
 
-class SlidingWindowBlocks:
+class BlockGroup:
+    """One block-table group: a pool and each request's table of its blocks. The main
+    group holds every block of a request; ``SlidingWindowBlocks`` releases old ones."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_blocks: dict[str, list[KVCacheBlock]] = {}
+        # number of leading blocks of each request already in the prefix cache
+        self.num_cached: dict[str, int] = {}
+
+    def _held(self, blocks: list[KVCacheBlock]) -> list[KVCacheBlock]:
+        return [b for b in blocks if b is not self.pool.null_block]
+
+    def num_new_blocks(self, req: Request, total_blocks: int, hit: list[KVCacheBlock]) -> int:
+        """Blocks to take from the free queue: new ones, and cached hits that sit in it."""
+        have = len(self.req_blocks.get(req.request_id, ())) + len(hit)
+        return max(total_blocks - have, 0) + sum(1 for b in self._held(hit) if b.ref_cnt == 0)
+
+    def allocate(self, req: Request, total_blocks: int, hit: list[KVCacheBlock]) -> list[KVCacheBlock]:
+        """Take the hit blocks, then new ones up to ``total_blocks``; returns the new ones."""
+        blocks = self.req_blocks.setdefault(req.request_id, [])
+        if hit:
+            self.pool.touch(self._held(hit))
+            blocks.extend(hit)
+            self.num_cached[req.request_id] = len(blocks)
+        new_blocks = self.pool.get_new_blocks(max(total_blocks - len(blocks), 0))
+        blocks.extend(new_blocks)
+        return new_blocks
+
+    def cache_full_blocks(self, req: Request, num_full: int) -> None:
+        """Register the request's newly full blocks (hashes already computed)."""
+        blocks = self.req_blocks.get(req.request_id)
+        if not blocks or not self.pool.enable_caching:
+            return
+        num_full = min(num_full, len(blocks))
+        start = self.num_cached.get(req.request_id, 0)
+        for i in range(start, num_full):
+            if blocks[i] is not self.pool.null_block:
+                self.pool.cache_block(blocks[i], req.block_hashes[i])
+        self.num_cached[req.request_id] = max(start, num_full)
+
+    def free(self, req: Request) -> None:
+        """Drop the request's references; its tail goes to the free queue first."""
+        blocks = self.req_blocks.pop(req.request_id, [])
+        self.num_cached.pop(req.request_id, None)
+        self.pool.free_blocks(self._held(list(reversed(blocks))))
+
+    def block_ids(self, req: Request) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(req.request_id, ())]
+
+
+class SlidingWindowBlocks(BlockGroup):
     """The sliding-window group (DeepSeek V4's raw K=V): its own pool and block tables.
     Once no future query of a request can see a block (it ends before the next query's
     window), the block is released: back to the free queue, or, hashed, kept findable
     by the prefix cache until evicted. Its table slot becomes the null block."""
 
     def __init__(self, num_blocks: int, block_size: int, window: int, enable_caching: bool) -> None:
-        self.pool = BlockPool(num_blocks, enable_caching)
+        super().__init__(num_blocks, enable_caching)
         self.block_size = block_size
         self.window = window
-        self.req_blocks: dict[str, list[KVCacheBlock]] = {}
-        self.num_cached: dict[str, int] = {}
 
     def first_needed(self, num_computed: int) -> int:
         """Index of the first block the query at position ``num_computed`` can see."""
@@ -157,44 +206,13 @@ class SlidingWindowBlocks:
             out.append(b)
         return out
 
-    def num_new_blocks(self, req: Request, total_blocks: int, hit: list[KVCacheBlock]) -> int:
-        """Blocks to take from the free queue (new ones + cached ones that sit in it)."""
-        have = len(self.req_blocks.get(req.request_id, ())) + len(hit)
-        return max(total_blocks - have, 0) + sum(1 for b in hit if b.ref_cnt == 0 and b is not self.pool.null_block)
-
-    def allocate(self, req: Request, total_blocks: int, hit: list[KVCacheBlock]) -> None:
-        blocks = self.req_blocks.setdefault(req.request_id, [])
-        if hit:
-            self.pool.touch([b for b in hit if b is not self.pool.null_block])
-            blocks.extend(hit)
-            self.num_cached[req.request_id] = len(blocks)
-        blocks.extend(self.pool.get_new_blocks(max(total_blocks - len(blocks), 0)))
-
-    def cache_and_release(self, req: Request, num_full: int) -> None:
-        """Register newly full blocks in the prefix cache, then release the ones no
-        future query can see."""
-        blocks = self.req_blocks.get(req.request_id)
-        if not blocks:
-            return
-        start = self.num_cached.get(req.request_id, 0)
-        if self.pool.enable_caching and num_full > start:
-            for i in range(start, min(num_full, len(blocks))):
-                if blocks[i] is not self.pool.null_block:
-                    self.pool.cache_block(blocks[i], req.block_hashes[i])
-            self.num_cached[req.request_id] = num_full
-        null = self.pool.null_block
+    def release_unseen(self, req: Request) -> None:
+        """Release the blocks no future query of the request can see."""
+        blocks = self.req_blocks.get(req.request_id, [])
         for i in range(min(self.first_needed(req.num_computed_tokens), len(blocks))):
-            if blocks[i] is not null:
+            if blocks[i] is not self.pool.null_block:
                 self.pool.free_blocks([blocks[i]])
-                blocks[i] = null
-
-    def free(self, req: Request) -> None:
-        blocks = self.req_blocks.pop(req.request_id, [])
-        self.num_cached.pop(req.request_id, None)
-        self.pool.free_blocks([b for b in reversed(blocks) if b is not self.pool.null_block])
-
-    def block_ids(self, req: Request) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(req.request_id, ())]
+                blocks[i] = self.pool.null_block
 
 
 class KVCacheManager:
@@ -212,10 +230,9 @@ class KVCacheManager:
         self.free_state_slots = list(range(num_state_slots - 1, 0, -1))
         self.req_state_slot: dict[str, int] = {}
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, enable_caching)
-        self.req_blocks: dict[str, list[KVCacheBlock]] = {}
-        # number of leading blocks of each request already in the prefix cache
-        self.num_cached_blocks: dict[str, int] = {}
+        self.main = BlockGroup(num_blocks, enable_caching)
+        self.pool = self.main.pool
+        self.req_blocks = self.main.req_blocks
         self.stats = PrefixCacheStats()
 
     # -- hashing -----------------------------------------------------------
@@ -266,70 +283,46 @@ class KVCacheManager:
                        computed: ComputedBlocks | None = None) -> list[KVCacheBlock] | None:
         """Blocks for ``num_new_tokens`` more tokens (step 18 / 42), or None if
         the pool cannot supply them (the caller then preempts)."""
-        new_computed_blocks = computed.blocks if computed else []
+        hit = computed.blocks if computed else []
+        window_hit = (computed.window_blocks if computed else None) or []
         needs_slot = self.num_state_slots and req.request_id not in self.req_state_slot
         if needs_slot and not self.free_state_slots:
             return None
-        blocks = self.req_blocks.setdefault(req.request_id, [])
-        num_computed = req.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_computed = req.num_computed_tokens + len(hit) * self.block_size
         total_blocks = -(-(num_computed + num_new_tokens) // self.block_size)
-        num_new = total_blocks - len(blocks) - len(new_computed_blocks)
-        # computed blocks that sit in the free queue leave it when touched
-        num_evictable_touched = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if num_new + num_evictable_touched > self.pool.num_free_blocks:
-            return None
-        window_hit = (computed.window_blocks if computed else None) or []
-        if self.window is not None and \
-                self.window.num_new_blocks(req, total_blocks, window_hit) > self.window.pool.num_free_blocks:
-            return None
+        for group, group_hit in ((self.main, hit), (self.window, window_hit)):
+            if group is not None and group.num_new_blocks(req, total_blocks, group_hit) > group.pool.num_free_blocks:
+                return None
         if needs_slot:
             self.req_state_slot[req.request_id] = self.free_state_slots.pop()
         if self.window is not None:
             self.window.allocate(req, total_blocks, window_hit)
-        if new_computed_blocks:
-            self.pool.touch(new_computed_blocks)
-            blocks.extend(new_computed_blocks)
-            self.num_cached_blocks[req.request_id] = len(blocks)
-        new_blocks = self.pool.get_new_blocks(max(num_new, 0))
-        blocks.extend(new_blocks)
-        return new_blocks
+        return self.main.allocate(req, total_blocks, hit)
 
     def cache_full_blocks(self, req: Request) -> None:
         """After a step: register newly completed blocks in the prefix cache (and
         release window blocks no future query can see)."""
+        if self.enable_caching:
+            self.update_block_hashes(req)
+        num_full = req.num_computed_tokens // self.block_size
+        self.main.cache_full_blocks(req, num_full)
         if self.window is not None:
-            if self.enable_caching:
-                self.update_block_hashes(req)
-            self.window.cache_and_release(req, req.num_computed_tokens // self.block_size)
-        if not self.enable_caching:
-            return
-        blocks = self.req_blocks.get(req.request_id)
-        if not blocks:
-            return
-        n_full = min(req.num_computed_tokens // self.block_size, len(blocks))
-        start = self.num_cached_blocks.get(req.request_id, 0)
-        if n_full <= start:
-            return
-        self.update_block_hashes(req)
-        for i in range(start, n_full):
-            self.pool.cache_block(blocks[i], req.block_hashes[i])
-        self.num_cached_blocks[req.request_id] = n_full
+            self.window.cache_full_blocks(req, num_full)
+            self.window.release_unseen(req)
 
     def free(self, req: Request) -> None:
         """Step 52: release a finished or preempted request's blocks."""
-        blocks = self.req_blocks.pop(req.request_id, [])
-        self.num_cached_blocks.pop(req.request_id, None)
         if (slot := self.req_state_slot.pop(req.request_id, None)) is not None:
             self.free_state_slots.append(slot)
         if self.window is not None:
             self.window.free(req)
-        self.pool.free_blocks(reversed(blocks))
+        self.main.free(req)
 
     def state_slot(self, req: Request) -> int:
         return self.req_state_slot.get(req.request_id, 0)
 
     def get_block_ids(self, req: Request) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(req.request_id, ())]
+        return self.main.block_ids(req)
 
     def get_window_block_ids(self, req: Request) -> list[int] | None:
         return self.window.block_ids(req) if self.window is not None else None
