@@ -69,14 +69,18 @@ class ModelRunner:
         slots: list[int] = []
         window = sched.scheduled[0].window_block_ids is not None if sched.scheduled else False
         wslots: list[int] = []
+
+        def slot(block_ids: list[int], p: int) -> int:
+            return block_ids[p // bs] * bs + p % bs
+
         for s in decodes:
             r = s.request
             p = r.num_computed_tokens
             input_ids.append(r.all_token_ids[p])
             positions.append(p)
-            slots.append(s.block_ids[p // bs] * bs + p % bs)
+            slots.append(slot(s.block_ids, p))
             if window:
-                wslots.append(s.window_block_ids[p // bs] * bs + p % bs)
+                wslots.append(slot(s.window_block_ids, p))
         prefills: list[PrefillSpan] = []
         offset = len(decodes)
         for s in order[len(decodes):]:
@@ -85,12 +89,12 @@ class ModelRunner:
             input_ids.extend(r.all_token_ids[start:end])
             pos = range(start, end)
             positions.extend(pos)
-            slots.extend(s.block_ids[p // bs] * bs + p % bs for p in pos)
+            slots.extend(slot(s.block_ids, p) for p in pos)
             n_blocks = -(-end // bs)
             span = PrefillSpan(offset, offset + s.num_tokens, start,
                                torch.tensor(s.block_ids[:n_blocks], dtype=torch.long), s.state_slot, s.fresh)
             if window:
-                wslots.extend(s.window_block_ids[p // bs] * bs + p % bs for p in pos)
+                wslots.extend(slot(s.window_block_ids, p) for p in pos)
                 span.window_block_ids = torch.tensor(s.window_block_ids[:n_blocks], dtype=torch.long)
             prefills.append(span)
             offset += s.num_tokens
@@ -100,16 +104,17 @@ class ModelRunner:
             md.window_slot_mapping = torch.tensor(wslots, dtype=torch.long)
         if decodes:
             max_blocks = max(-(-(s.request.num_computed_tokens + 1) // bs) for s in decodes)
-            table = [s.block_ids[:max_blocks] + [0] * (max_blocks - min(len(s.block_ids), max_blocks))
-                     for s in decodes]
-            md.decode_block_tables = torch.tensor(table, dtype=torch.long)
+
+            def table(rows: list[list[int]]) -> torch.Tensor:  # [B, max_blocks], null-padded
+                return torch.tensor([ids[:max_blocks] + [0] * (max_blocks - min(len(ids), max_blocks))
+                                     for ids in rows], dtype=torch.long)
+
+            md.decode_block_tables = table([s.block_ids for s in decodes])
             md.decode_context_lens = torch.tensor(
                 [s.request.num_computed_tokens + 1 for s in decodes], dtype=torch.int32)
             md.decode_state_slots = [s.state_slot for s in decodes]
             if window:
-                md.decode_window_tables = torch.tensor(
-                    [s.window_block_ids[:max_blocks] + [0] * (max_blocks - min(len(s.window_block_ids), max_blocks))
-                     for s in decodes], dtype=torch.long)
+                md.decode_window_tables = table([s.window_block_ids for s in decodes])
         # rows whose token is the request's last pending one: these get logits
         sample_rows: list[int] = []
         sampling: list[ScheduledRequest] = []
