@@ -239,24 +239,13 @@ def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 def attend_with_sinks(q: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor, sinks: torch.Tensor,
                       scale: float) -> torch.Tensor:
-    """Shared-KV attention (K = V = keys [L, d]) for queries q [n, H, d] over the
-    ``allowed`` [n, L] keys, with a per-head sink logit in the denominator."""
-    n, H, d = q.shape
-    logits = (q.reshape(n * H, d) @ keys.t()).view(n, H, -1) * scale
+    """Shared-KV attention (K = V = keys) with a per-head sink logit in the denominator.
+    One request's chunk: q [n, H, d], keys [L, d], allowed [n, L]; or one query per
+    request: q [B, H, d], keys [B, L, d], allowed [B, L]. -> like q"""
+    n, H, _ = q.shape
+    logits = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [n, H, L]
     logits = logits.masked_fill(~allowed[:, None, :], NEG_INF)
     combined = torch.cat((logits, sinks.view(1, H, 1).expand(n, H, 1).to(logits.dtype)), dim=-1)
     combined = combined - combined.amax(dim=-1, keepdim=True)
     probs = torch.softmax(combined, dim=-1)[..., :-1]
-    return (probs.to(keys.dtype).reshape(n * H, -1) @ keys).view(n, H, d)
-
-
-def attend_with_sinks_batched(q: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor, sinks: torch.Tensor,
-                              scale: float) -> torch.Tensor:
-    """One query per request: q [B, H, d], keys [B, L, d], allowed [B, L] -> [B, H, d]."""
-    B, H, _ = q.shape
-    logits = torch.bmm(q, keys.transpose(1, 2)) * scale  # [B, H, L]
-    logits = logits.masked_fill(~allowed[:, None, :], NEG_INF)
-    combined = torch.cat((logits, sinks.view(1, H, 1).expand(B, H, 1).to(logits.dtype)), dim=-1)
-    combined = combined - combined.amax(dim=-1, keepdim=True)
-    probs = torch.softmax(combined, dim=-1)[..., :-1]
-    return torch.bmm(probs.to(keys.dtype), keys)
+    return torch.matmul(probs.to(keys.dtype), keys)

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from lane import tracing
 from lane.model_executor.layers.attention import get_attention_metadata
 from lane.model_executor.layers.compressed_attention import (V4AttentionCache, V4RMSNorm, attend_with_sinks,
-                                                             attend_with_sinks_batched, compress_chunk, empty_acc,
+                                                             compress_chunk, empty_acc,
                                                              merge, rope_tail, row_acc, unweighted_rms_norm)
 from lane.model_executor.layers.fused_moe import FusedMoE
 from lane.model_executor.layers import cpu_kernels
@@ -160,7 +160,8 @@ class DeepseekV4Attention(nn.Module):
         if n_entries:
             visible = torch.arange(n_entries)[None, :] < ((pos + 1) // self.compressor.rate)[:, None]
             if self.indexer is not None:  # step 25: top-k entries per query
-                visible &= self._select(x, q_res, pos, table, n_entries, visible)
+                keys_i = cache.entries(cache.index_cache, table, n_entries)
+                visible &= self._select(x, q_res, pos, keys_i, visible)
                 mark(25, **lt)
             keys = torch.cat((keys, cache.entries(cache.entry_cache, table, n_entries)))
             allowed = torch.cat((allowed, visible), dim=1)
@@ -189,12 +190,13 @@ class DeepseekV4Attention(nn.Module):
             windows = torch.arange(E).expand(B, E)
             visible = windows < n_entries[:, None]
             if self.indexer is not None:
-                visible &= self._select_batch(x, q_res, pos, tables, windows, visible)
+                keys_i = cache.index_cache.view(-1, cache.index_head_dim)[cache.entry_slots(tables, windows)]
+                visible &= self._select(x, q_res, pos, keys_i, visible)
                 mark(25, **lt)
             entries = cache.entry_cache.view(-1, self.head_dim)[cache.entry_slots(tables, windows)]
             keys = torch.cat((keys, entries), dim=1)
             allowed = torch.cat((allowed, visible), dim=1)
-        out = attend_with_sinks_batched(q, keys.to(q.dtype), allowed, self.attn_sink, self.head_dim ** -0.5)
+        out = attend_with_sinks(q, keys.to(q.dtype), allowed, self.attn_sink, self.head_dim ** -0.5)
         mark(27, **lt)
         return out
 
@@ -234,18 +236,6 @@ class DeepseekV4Attention(nn.Module):
         getattr(cache, which)[slots] = new_state
         return (pos + 1) // m
 
-    def _select_batch(self, x, q_res, pos, tables, windows, visible) -> torch.Tensor:
-        """The indexer's top-k visible entries for each decode row -> [B, E] bool."""
-        idx, B = self.indexer, x.shape[0]
-        cos, sin = self._rope[0].cos_sin("compress", pos)
-        q = rope_tail(idx.wq_b(q_res).view(B, idx.n_heads, idx.head_dim), cos[:, None], sin[:, None])
-        keys = self.cache.index_cache.view(-1, idx.head_dim)[self.cache.entry_slots(tables, windows)].float()
-        weights = idx.weights_proj(x.float()) * idx.n_heads ** -0.5  # [B, H_I]
-        scores = torch.relu(torch.bmm(q.float(), keys.transpose(1, 2))) * idx.head_dim ** -0.5  # [B, H_I, E]
-        scores = (scores * weights[..., None]).sum(dim=1).masked_fill(~visible, float("-inf"))
-        top = scores.topk(min(idx.topk, windows.shape[1]), dim=-1).indices
-        return torch.zeros_like(visible).scatter_(1, top, True)
-
     def _compress(self, comp: Compressor, which: str, entry_cache, x, pos, span) -> int:
         """Fold a request's rows into its running state, write the entries this chunk
         completes; returns how many entries the request has now."""
@@ -261,17 +251,17 @@ class DeepseekV4Attention(nn.Module):
         cache.save_state(which, slot, res, table)
         return int(pos[-1] + 1) // comp.rate
 
-    def _select(self, x, q_res, pos, table, n_entries, visible) -> torch.Tensor:
-        """The indexer's top-k visible entries for each query -> [n, n_entries] bool."""
-        idx = self.indexer
-        n = x.shape[0]
+    def _select(self, x, q_res, pos, keys, visible) -> torch.Tensor:
+        """The indexer's top-k visible entries for each query row -> [rows, E] bool. keys:
+        the indexer's entries, [E, d_I] (one request's chunk) or [rows, E, d_I] (decodes)."""
+        idx, n = self.indexer, x.shape[0]
         cos, sin = self._rope[0].cos_sin("compress", pos)
         q = rope_tail(idx.wq_b(q_res).view(n, idx.n_heads, idx.head_dim), cos[:, None], sin[:, None])
-        keys = self.cache.entries(self.cache.index_cache, table, n_entries).float()
-        weights = idx.weights_proj(x.float()) * idx.n_heads ** -0.5  # [n, H_I]
-        scores = torch.relu(q.float() @ keys.t()) * idx.head_dim ** -0.5  # [n, H_I, E]
+        weights = idx.weights_proj(x.float()) * idx.n_heads ** -0.5  # [rows, H_I]
+        # relu, then the scale, then the weighted sum over heads: the reference's order
+        scores = torch.relu(torch.matmul(q.float(), keys.float().transpose(-1, -2))) * idx.head_dim ** -0.5
         scores = (scores * weights[..., None]).sum(dim=1).masked_fill(~visible, float("-inf"))
-        top = scores.topk(min(idx.topk, n_entries), dim=-1).indices
+        top = scores.topk(min(idx.topk, visible.shape[1]), dim=-1).indices
         return torch.zeros_like(visible).scatter_(1, top, True)
 
 
