@@ -117,22 +117,18 @@ void sinkhorn_(torch::Tensor comb, int64_t iters, double eps_) {
   const int64_t T = comb.size(0), n = comb.size(1);
   const float eps = static_cast<float>(eps_);
   float* base = comb.data_ptr<float>();
-  auto cols = [&](float* c) {
-    for (int64_t j = 0; j < n; ++j) {
+  // divide each line a of the matrix by (its sum + eps); element b of line a sits at
+  // a * line + b * step: rows are (line n, step 1), columns (line 1, step n)
+  auto normalise = [&](float* c, int64_t line, int64_t step) {
+    for (int64_t a = 0; a < n; ++a) {
       float s = 0.f;
-      for (int64_t i = 0; i < n; ++i) s += c[i * n + j];
+      for (int64_t b = 0; b < n; ++b) s += c[a * line + b * step];
       const float d = s + eps;
-      for (int64_t i = 0; i < n; ++i) c[i * n + j] /= d;
+      for (int64_t b = 0; b < n; ++b) c[a * line + b * step] /= d;
     }
   };
-  auto rows = [&](float* c) {
-    for (int64_t i = 0; i < n; ++i) {
-      float s = 0.f;
-      for (int64_t j = 0; j < n; ++j) s += c[i * n + j];
-      const float d = s + eps;
-      for (int64_t j = 0; j < n; ++j) c[i * n + j] /= d;
-    }
-  };
+  auto rows = [&](float* c) { normalise(c, n, 1); };
+  auto cols = [&](float* c) { normalise(c, 1, n); };
   at::parallel_for(0, T, 64, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       float* c = base + t * n * n;
