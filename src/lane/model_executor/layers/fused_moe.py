@@ -52,6 +52,15 @@ def grouped_topk(router_logits: torch.Tensor, top_k: int, *, scoring_func: str =
     return weights * routed_scaling_factor, ids
 
 
+def fused_expert_name(name: str) -> str:
+    """transformers' stacked expert tensors (``experts.gate_up_proj`` [E, 2I, H],
+    ``experts.down_proj`` [E, H, I]) are FusedMoE's ``w13`` / ``w2`` as they are."""
+    for hf, ours in ((".experts.gate_up_proj", ".experts.w13"), (".experts.down_proj", ".experts.w2")):
+        if name.endswith(hf):
+            return name[:-len(hf)] + ours
+    return name
+
+
 class FusedMoE(nn.Module):
     """Routed experts' weights as stacked tensors: ``w13`` [E, 2I, H] (gate | up),
     ``w2`` [E, H, I]."""
@@ -67,6 +76,14 @@ class FusedMoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         # tokens routed to each expert since start-up (or the last reset)
         self.register_buffer("expert_counts", torch.zeros(num_experts, dtype=torch.long), persistent=False)
+
+    def weight_shard(self, proj: str, expert: int) -> tuple[str, torch.Tensor]:
+        """Where one expert's checkpoint matrix goes: ``proj`` is "gate", "up" or "down"
+        -> (parameter name, the view to copy into)."""
+        if proj == "down":
+            return "w2", self.w2[expert]
+        inter = self.intermediate_size
+        return "w13", self.w13[expert].narrow(0, inter * (proj == "up"), inter)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """x [T, H]; topk_weights, topk_ids [T, k] -> [T, H]"""

@@ -18,15 +18,15 @@
 from __future__ import annotations
 
 import logging
+import math
 import re
-from typing import Iterable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from lane import tracing
-from lane.model_executor.layers.fused_moe import FusedMoE, grouped_topk
+from lane.model_executor.layers.fused_moe import FusedMoE, fused_expert_name, grouped_topk
 from lane.model_executor.layers.indexer import Indexer
 from lane.model_executor.layers.layernorm import RMSNorm
 from lane.model_executor.layers.linear import Linear
@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 
 
 def yarn_mscale(scale: float, mscale: float) -> float:
-    return 1.0 if scale <= 1 else 0.1 * mscale * torch.log(torch.tensor(scale)).item() + 1.0
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 def mla_softmax_scale(config) -> float:
@@ -177,7 +177,7 @@ class DeepseekV2Model(LlamaModel):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 
 class DeepseekV3ForCausalLM(LlamaForCausalLM):
@@ -201,33 +201,22 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         return {i: layer.mlp.experts for i, layer in enumerate(self.model.layers)
                 if isinstance(layer.mlp, DeepseekV2MoE)}
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            name = self._mtp_name(name)
-            if name is None:
-                continue
-            if m := _EXPERT.match(name):  # one expert of a checkpoint's per-expert tensors
-                prefix, e, proj = m.group(1), int(m.group(2)), m.group(3)
-                param = params[f"{prefix}.{'w2' if proj == 'down_proj' else 'w13'}"][e]
-                inter = param.shape[0] // 2
-                dst = param if proj == "down_proj" else param.narrow(0, inter * (proj == "up_proj"), inter)
-                with torch.no_grad():
-                    dst.copy_(tensor)
-                loaded.add(f"{prefix}.{'w2' if proj == 'down_proj' else 'w13'}")
-                continue
-            if name.endswith(".mlp.experts.gate_up_proj") or name.endswith(".mlp.experts.down_proj"):
-                name = name.rsplit(".", 1)[0] + (".w13" if name.endswith("gate_up_proj") else ".w2")
-            elif name.endswith((".q_b_proj.weight", ".q_proj.weight")):
-                tensor = self._regroup_q(tensor)
-            elif ".kv_a_proj_with_mqa." in name:
-                tensor = torch.cat((tensor[:self.config.kv_lora_rank],
-                                    self._deinterleave(tensor[self.config.kv_lora_rank:])))
-            target = self.load_weight(params, name, tensor)
-            if target is not None:
-                loaded.add(target)
-        return loaded
+    def load_weight(self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> str | None:
+        name = self._mtp_name(name)
+        if name is None:
+            return None
+        if m := _EXPERT.match(name):  # one expert of a checkpoint's per-expert tensors
+            attr, dst = self.get_submodule(m.group(1)).weight_shard(m.group(3), int(m.group(2)))
+            with torch.no_grad():
+                dst.copy_(tensor)
+            return f"{m.group(1)}.{attr}"
+        name = fused_expert_name(name)
+        if name.endswith((".q_b_proj.weight", ".q_proj.weight")):
+            tensor = self._regroup_q(tensor)
+        elif ".kv_a_proj_with_mqa." in name:
+            tensor = torch.cat((tensor[:self.config.kv_lora_rank],
+                                self._deinterleave(tensor[self.config.kv_lora_rank:])))
+        return super().load_weight(params, name, tensor)
 
     def finish_loading(self, loaded: set[str]) -> None:
         """A checkpoint without the MTP layer (transformers does not save it) drops it."""

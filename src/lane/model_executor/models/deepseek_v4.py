@@ -28,7 +28,7 @@ from lane.model_executor.layers.attention import get_attention_metadata
 from lane.model_executor.layers.compressed_attention import (V4AttentionCache, V4RMSNorm, attend_with_sinks,
                                                              compress_chunk, empty_acc,
                                                              merge, rope_tail, row_acc, unweighted_rms_norm)
-from lane.model_executor.layers.fused_moe import FusedMoE
+from lane.model_executor.layers.fused_moe import FusedMoE, fused_expert_name
 from lane.model_executor.layers import cpu_kernels
 from lane.model_executor.layers.linear import Linear, linear
 
@@ -466,16 +466,12 @@ class DeepseekV4ForCausalLM(nn.Module):
             name = canonical_name(orig)
             if name.startswith("mtp."):  # the MTP block: for speculative decoding, not loaded yet
                 continue
-            if m := _EXPERT.match(name):
-                prefix, e, w = m.group(1), int(m.group(2)), m.group(3)
-                target = f"{prefix}.{'w2' if w == 'w2' else 'w13'}"
-                dst = params[target][e]
-                if w != "w2":
-                    inter = dst.shape[0] // 2
-                    dst = dst.narrow(0, inter * (w == "w3"), inter)
+            if m := _EXPERT.match(name):  # w1 = gate, w3 = up, w2 = down
+                proj = {"w1": "gate", "w3": "up", "w2": "down"}[m.group(3)]
+                attr, dst = self.get_submodule(m.group(1)).weight_shard(proj, int(m.group(2)))
+                target = f"{m.group(1)}.{attr}"
             else:
-                if name.endswith(".ffn.experts.gate_up_proj") or name.endswith(".ffn.experts.down_proj"):
-                    name = name.rsplit(".", 1)[0] + (".w13" if name.endswith("gate_up_proj") else ".w2")
+                name = fused_expert_name(name)
                 if name not in params:
                     raise KeyError(f"checkpoint tensor {orig} has no place in DeepseekV4ForCausalLM")
                 target, dst = name, params[name]
