@@ -182,8 +182,9 @@ class V4AttentionCache(CacheLayer):
         """Cached K=V of positions first .. last (the window group's table) -> [L, head_dim]"""
         return self.kv_cache.view(-1, self.head_dim)[self.token_slots(window_table, torch.arange(first, last + 1))]
 
-    def entries(self, cache: torch.Tensor, table: torch.Tensor, count: int) -> torch.Tensor:
-        return cache.view(-1, cache.shape[-1])[self.entry_slots(table, torch.arange(count))]
+    def entries(self, cache: torch.Tensor, table: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
+        """Entries (of ``entry_cache`` or ``index_cache``) of windows [E] or [B, E] -> [..., C]"""
+        return cache.view(-1, cache.shape[-1])[self.entry_slots(table, windows)]
 
     def write_entries(self, cache: torch.Tensor, table: torch.Tensor, first_window: int, rows: torch.Tensor) -> None:
         if rows.shape[0]:

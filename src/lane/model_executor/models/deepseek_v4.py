@@ -160,10 +160,10 @@ class DeepseekV4Attention(nn.Module):
         if n_entries:
             visible = torch.arange(n_entries)[None, :] < ((pos + 1) // self.compressor.rate)[:, None]
             if self.indexer is not None:  # step 25: top-k entries per query
-                keys_i = cache.entries(cache.index_cache, table, n_entries)
+                keys_i = cache.entries(cache.index_cache, table, torch.arange(n_entries))
                 visible &= self._select(x, q_res, pos, keys_i, visible)
                 mark(25, **lt)
-            keys = torch.cat((keys, cache.entries(cache.entry_cache, table, n_entries)))
+            keys = torch.cat((keys, cache.entries(cache.entry_cache, table, torch.arange(n_entries))))
             allowed = torch.cat((allowed, visible), dim=1)
         out = attend_with_sinks(q, keys.to(q.dtype), allowed, self.attn_sink, self.head_dim ** -0.5)
         mark(27, **lt)
@@ -190,10 +190,10 @@ class DeepseekV4Attention(nn.Module):
             windows = torch.arange(E).expand(B, E)
             visible = windows < n_entries[:, None]
             if self.indexer is not None:
-                keys_i = cache.index_cache.view(-1, cache.index_head_dim)[cache.entry_slots(tables, windows)]
+                keys_i = cache.entries(cache.index_cache, tables, windows)
                 visible &= self._select(x, q_res, pos, keys_i, visible)
                 mark(25, **lt)
-            entries = cache.entry_cache.view(-1, self.head_dim)[cache.entry_slots(tables, windows)]
+            entries = cache.entries(cache.entry_cache, tables, windows)
             keys = torch.cat((keys, entries), dim=1)
             allowed = torch.cat((allowed, visible), dim=1)
         out = attend_with_sinks(q, keys.to(q.dtype), allowed, self.attn_sink, self.head_dim ** -0.5)
