@@ -1,7 +1,7 @@
-"""FP8 block-quantised checkpoints (DeepSeek V3 / V3.2): dequantised on load.
+"""FP8 block-quantised checkpoints (DeepSeek V3 / V3.2 / V4): dequantised on load.
 
 Each quantised linear weight ``W`` (float8_e4m3fn, [N, K]) comes with
-``W_scale_inv`` (float32, [ceil(N / bn), ceil(K / bk)]): one scale per bn x bk
+``W_scale_inv`` (V4: ``W.scale``; float32, [ceil(N / bn), ceil(K / bk)]): one scale per bn x bk
 block (128 x 128 in DeepSeek's releases), the last blocks possibly partial.
 The real weight is ``W * scale_inv`` block by block. A weight and its scale may
 arrive in any order, from different files and threads, so each waits for the
