@@ -300,3 +300,18 @@ def test_gguf_file_matches_gguf_reader():
         assert (a.name, a.tensor_type) == (b.name, b.tensor_type)
         assert a.shape == tuple(reversed(b.shape.tolist()))
         assert np.array_equal(a.data, b.data.reshape(-1).view(np.uint8)), a.name
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_dequant_kernel_is_the_reference_rounded_once(weights, qtype, dtype):
+    """The CPU kernel dequantises straight into the model dtype: gguf's float32 values
+    exactly, rounded once to the dtype."""
+    from lane.model_executor.layers import cpu_kernels
+
+    assert cpu_kernels.build(), "the CPU kernels failed to build"
+    data = gguf.quants.quantize(weights, qtype)
+    ref = torch.from_numpy(gguf.quants.dequantize(data, qtype).astype(np.float32)).reshape(-1)
+    out = cpu_kernels.dequant_ggml(np.ascontiguousarray(data).view(np.uint8), qtype.name, dtype)
+    assert out.dtype == dtype
+    assert torch.equal(out, ref.to(dtype))

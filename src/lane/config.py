@@ -57,6 +57,8 @@ class ModelConfig:
                     f"{self.model!r} has no config.json (and not exactly one .gguf file)")
             self.gguf_file = os.path.join(path, ggufs[0])
         self.device_type = torch.device(self.device) if self.device else platform.default_device()
+        if self.device_type.type == "cpu":
+            platform.cpu_isa()  # a bad LANE_CPU_ISA is refused here, by name
         self.dtype = platform.resolve_dtype(self.dtype, self.device_type)
         model_len = self.derived_max_model_len
         if self.max_model_len is None:

@@ -1,32 +1,90 @@
-"""Device, dtype and threads (seed step 1); attention backend choice (step 3's second layer)."""
+"""Device, dtype and threads (seed step 1); the CPU's kernel path (ISA); attention
+backend choice (step 3's second layer)."""
 from __future__ import annotations
 
 import functools
+import logging
 import os
+import platform as _py_platform
 from dataclasses import dataclass
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16, "fp16": torch.float16}
 
+# Kernel paths, narrowest first. avx512 = AVX-512 F/BW/VL/DQ (what oneDNN's bf16 GEMM
+# needs); avx2 = AVX2 + FMA + F16C; generic = whatever the compiler makes of plain C++.
+CPU_ISAS = ("generic", "avx2", "avx512")
+_ISA_NEEDS = {"avx2": ("avx2", "fma3", "f16c"),
+              "avx512": ("avx2", "fma3", "f16c", "avx512_f", "avx512_bw", "avx512_vl", "avx512_dq")}
+# /proc/cpuinfo's spelling -> cpuinfo's (torch's), for the fallback reader
+_PROC_NAMES = {"avx512f": "avx512_f", "avx512bw": "avx512_bw", "avx512vl": "avx512_vl",
+               "avx512dq": "avx512_dq", "fma": "fma3"}
+
 
 @functools.cache
 def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as the CPUID instruction reports them (torch's cpuinfo:
+    right under emulators and VMs where /proc/cpuinfo shows the host), in cpuinfo's
+    spelling (avx512_f, avx512_bf16, amx_bf16, fma3, ...); /proc/cpuinfo otherwise."""
+    try:
+        caps = torch._C._cpu._get_cpu_capability()
+        return frozenset(k for k, v in caps.items() if v is True)
+    except Exception:  # a torch without the private query
+        pass
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
+                    return frozenset(_PROC_NAMES.get(x, x) for x in line.split(":", 1)[1].split())
     except OSError:
         pass
     return frozenset()
 
 
-def cpu_has_fast_bf16() -> bool:
+@functools.cache
+def native_cpu_isa() -> str:
+    """The widest kernel path this CPU can run."""
+    if _py_platform.machine().lower() not in ("x86_64", "amd64"):
+        return "generic"
     flags = cpu_flags()
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    for isa in ("avx512", "avx2"):
+        if all(f in flags for f in _ISA_NEEDS[isa]):
+            return isa
+    return "generic"
+
+
+@functools.cache
+def cpu_isa() -> str:
+    """The kernel path in use: the CPU's widest, capped by LANE_CPU_ISA=generic|avx2|avx512
+    (so one AVX-512 machine can run all three). Caps the compiled kernels, the bf16
+    pre-packing and what 'auto' picks."""
+    native = native_cpu_isa()
+    cap = os.environ.get("LANE_CPU_ISA", "").strip().lower()
+    if not cap:
+        return native
+    if cap not in CPU_ISAS:
+        raise ValueError(f"LANE_CPU_ISA={cap!r} is not one of {', '.join(CPU_ISAS)}")
+    if CPU_ISAS.index(cap) > CPU_ISAS.index(native):
+        logger.warning("LANE_CPU_ISA=%s asks for more than this CPU has; using %s", cap, native)
+        return native
+    return cap
+
+
+def cpu_has_fast_bf16() -> bool:
+    """bf16 arithmetic in hardware (AVX512-BF16 or AMX), on the avx512 path."""
+    flags = cpu_flags()
+    return cpu_isa() == "avx512" and ("avx512_bf16" in flags or "amx_bf16" in flags)
+
+
+def onednn_bf16_gemm() -> bool:
+    """Whether oneDNN runs bf16 GEMMs (and so the weight pre-packing) on this CPU: it needs
+    AVX-512 BW/VL/DQ or AVX-NE-CONVERT; without them the pre-pack raises."""
+    return cpu_isa() == "avx512" or (cpu_isa() == "avx2" and "avx_ne_convert" in cpu_flags())
 
 
 def default_device() -> torch.device:
@@ -34,15 +92,18 @@ def default_device() -> torch.device:
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    """'auto' is bfloat16 on CUDA and on CPUs with AVX512-BF16 or AMX, else float32."""
+    """'auto' is bfloat16 on CUDA and on CPUs with AVX512-BF16 or AMX, else float32.
+    float16 runs everywhere (fp16 storage; on a CPU, fp32 math)."""
     if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"unsupported dtype {dtype}; choose auto, float32, bfloat16 or float16")
         return dtype
     if dtype is None or dtype == "auto":
         if device.type == "cuda" or cpu_has_fast_bf16():
             return torch.bfloat16
         return torch.float32
     if dtype not in _DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose auto, float32 or bfloat16")
+        raise ValueError(f"unknown dtype {dtype!r}; choose auto, float32, bfloat16 or float16")
     return _DTYPES[dtype]
 
 

@@ -12,7 +12,7 @@ from typing import Iterator, Sequence
 from tqdm import tqdm
 
 from lane.config import EngineArgs
-from lane.engine.core import EngineCore, EngineCoreRequest
+from lane.engine.core import EngineCore, EngineCoreRequest, start_cpu_kernel_build
 from lane.engine.output_processor import OutputProcessor
 from lane.engine.processor import InputProcessor, PromptType
 from lane.outputs import RequestOutput
@@ -30,6 +30,7 @@ class LLM:
         args = EngineArgs(model, dtype, block_size, enable_prefix_caching, max_num_batched_tokens,
                           max_num_seqs, max_model_len, kv_cache_memory_bytes, seed, threads,
                           show_progress)
+        start_cpu_kernel_build()
         self.config = args.create_engine_config()
         self.tokenizer = self.config.model_config.get_tokenizer()
         self.processor = InputProcessor(self.config.model_config, self.tokenizer)

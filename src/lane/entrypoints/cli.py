@@ -25,7 +25,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None,
                    help="HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: bfloat16 on CPUs with AVX512-BF16/AMX, else float32")
     g.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all CPUs)")
     g.add_argument("--block-size", type=int, default=None,
@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     ex = sub.add_parser("explain", help="which implementation and attention backend a model gets, and its KV layout")
     ex.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                     help="HF model directory or .gguf file (default: the embedded SmolLM2)")
-    ex.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    ex.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     ex.add_argument("--block-size", type=int, default=None)
     ex.add_argument("--kv-cache-memory-bytes", type=parse_bytes, default=None)
 

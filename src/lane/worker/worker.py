@@ -30,13 +30,16 @@ class Worker:
         mc = config.model_config
         t0 = time.monotonic()
         self.threads = platform.set_threads(config.threads)  # step 1
-        if mc.device_type.type == "cpu":
-            cpu_kernels.build()
+        on_cpu = mc.device_type.type == "cpu"
+        if on_cpu:  # the compiler (first use on this CPU) runs while the weights load
+            cpu_kernels.start_build()
         if tracer.enabled:
             tracer.record(1, t0, time.monotonic(), device=str(mc.device_type), dtype=str(mc.dtype),
-                          threads=self.threads, cpu_kernels=cpu_kernels.available())
+                          threads=self.threads, cpu_isa=platform.cpu_isa() if on_cpu else None)
         torch.manual_seed(mc.seed)
         self.model = get_model(mc, config.load_threads, config.show_progress)  # step 4
+        if on_cpu:
+            cpu_kernels.build()
         self.num_packed = prepack_linears(self.model)
         self.runner = ModelRunner(self.model, config.cache_config.block_size, mc.dtype, mc.device_type,
                                   config.scheduler_config.max_num_seqs)

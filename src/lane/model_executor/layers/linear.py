@@ -1,50 +1,72 @@
-"""Linear layers, with the CPU paths that make decode fast.
+"""Linear layers, with the CPU paths that make decode fast and every dtype run
+on every CPU.
 
 - One or two rows (decode of one or two sequences): the small-M kernel streams
   each weight row once; torch's GEMM reads weights at a fraction of bandwidth.
-- More rows, bf16 on a CPU: oneDNN with the weight pre-packed into its blocked
-  layout once at load (15-45% faster than ``F.linear``, which re-lays the
-  weight out on every call). The dense weight stays for the small-M path and
-  for weight loading, so packing costs one more copy of the linear weights.
+- More rows, bf16 where oneDNN runs bf16 (AVX-512 BW/VL/DQ or AVX-NE-CONVERT):
+  oneDNN with the weight pre-packed into its blocked layout once at load (15-45%
+  faster than ``F.linear``, which re-lays the weight out on every call). The dense
+  weight stays for the small-M path and for weight loading, so packing costs one
+  more copy of the linear weights.
+- bf16 without it, and float16 (torch's GEMM has no fast CPU path for them there):
+  bf16 / fp16 storage, fp32 math, as vLLM's CPU build runs bf16 on AVX2. Up to
+  ``UPCAST_ROWS`` rows the small-M kernel reads the weight as stored; above, the
+  weight is widened per call and fp32 GEMM runs.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lane import platform
 from lane.model_executor.layers import cpu_kernels
 
 SMALL_M = 2
+UPCAST_ROWS = 32
 _PACK_BATCH_HINT = 64
+
+
+@functools.cache
+def fast_cpu_gemm(dtype: torch.dtype) -> bool:
+    """Whether torch's CPU GEMM runs this dtype natively here (capped by LANE_CPU_ISA)."""
+    if dtype == torch.bfloat16:
+        return platform.onednn_bf16_gemm()
+    return dtype == torch.float32
 
 
 class Linear(nn.Linear):
     packed_weight: torch.Tensor | None = None
 
     def prepack(self) -> bool:
-        """Pack the weight for oneDNN; only bf16 on a CPU with oneDNN benefits."""
+        """Pack the weight for oneDNN; only bf16 on a CPU whose oneDNN runs bf16 benefits."""
         w = self.weight
-        if w.device.type != "cpu" or w.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+        if (w.device.type != "cpu" or w.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available()
+                or not fast_cpu_gemm(torch.bfloat16)):
             return False
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w.detach(), _PACK_BATCH_HINT)
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2:
-            if x.shape[0] <= SMALL_M and cpu_kernels.usable(x):
-                return cpu_kernels.small_m_linear(x, self.weight, self.bias)
-            if self.packed_weight is not None:
-                return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias,
-                                                          "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        if self.packed_weight is not None and x.dim() == 2 and x.shape[0] > SMALL_M:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        return linear(x, self.weight, self.bias)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` that takes the small-M kernel for one or two rows (decode)."""
-    if x.dim() == 2 and x.shape[0] <= SMALL_M and cpu_kernels.usable(x) and weight.is_contiguous():
+    """``F.linear`` that takes the small-M kernel for decode rows, and fp32 math for
+    dtypes the CPU's GEMM does not run natively."""
+    if x.device.type != "cpu":
+        return F.linear(x, weight, bias)
+    native = fast_cpu_gemm(weight.dtype)
+    if (x.dim() == 2 and x.shape[0] <= (SMALL_M if native else UPCAST_ROWS) and cpu_kernels.usable(x)
+            and weight.is_contiguous()):
         return cpu_kernels.small_m_linear(x, weight, bias)
-    return F.linear(x, weight, bias)
+    if native:
+        return F.linear(x, weight, bias)
+    return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
 
 
 def prepack_linears(model: nn.Module) -> int:

@@ -1,75 +1,70 @@
-// Small-M linear layers (decode with few sequences): y = x W^T (+ b) for M <= 8.
-// torch's GEMM for M = 1 reads weights at a third of DRAM bandwidth on a CPU;
-// here each weight row is streamed once and dotted with all M inputs in fp32.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <cstring>
+// Small-M linear layers (decode): y = x W^T (+ b). torch's GEMM for a few rows reads
+// weights at a fraction of DRAM bandwidth on a CPU; here each weight row is streamed
+// once per call and dotted with up to eight input rows at a time in fp32 (16 rows stay
+// in cache for the next eight). Weights fp32 / bf16 / fp16; x, b and y any of the three.
+#include "common.h"
+
 #include <vector>
 
 namespace {
 
-inline float wf(uint16_t bits) {  // bf16 bits -> fp32
-  uint32_t u = static_cast<uint32_t>(bits) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-inline float wf(float v) { return v; }
+using namespace lane;
 
-template <typename W, int M>
-void rows(const W* w, const float* x, const float* bias, float* y, int64_t N, int64_t K,
-          int64_t n0, int64_t n1) {
+template <typename W, int MC>
+void rows(const W* w, const float* x, float* y, int64_t N, int64_t K, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; ++n) {
     const W* wr = w + n * K;
-    float acc[M];
-    for (int m = 0; m < M; ++m) acc[m] = 0.f;
+    float acc[MC];
+    for (int m = 0; m < MC; ++m) acc[m] = 0.f;
     for (int64_t k = 0; k < K; ++k) {
-      const float v = wf(wr[k]);
-      for (int m = 0; m < M; ++m) acc[m] += v * x[m * K + k];
+      const float v = to_f(wr[k]);
+      for (int m = 0; m < MC; ++m) acc[m] += v * x[m * K + k];
     }
-    const float b = bias ? bias[n] : 0.f;
-    for (int m = 0; m < M; ++m) y[m * N + n] = acc[m] + b;
+    for (int m = 0; m < MC; ++m) y[m * N + n] = acc[m];
   }
 }
 
+// rows n0..n1 of y for all M inputs, in chunks of 8 / 4 / 2 / 1 rows of x
 template <typename W>
-void dispatch(int64_t M, const W* w, const float* x, const float* b, float* y, int64_t N,
-              int64_t K, int64_t n0, int64_t n1) {
-  switch (M) {
-    case 1: rows<W, 1>(w, x, b, y, N, K, n0, n1); break;
-    case 2: rows<W, 2>(w, x, b, y, N, K, n0, n1); break;
-    case 3: rows<W, 3>(w, x, b, y, N, K, n0, n1); break;
-    case 4: rows<W, 4>(w, x, b, y, N, K, n0, n1); break;
-    case 5: rows<W, 5>(w, x, b, y, N, K, n0, n1); break;
-    case 6: rows<W, 6>(w, x, b, y, N, K, n0, n1); break;
-    case 7: rows<W, 7>(w, x, b, y, N, K, n0, n1); break;
-    default: rows<W, 8>(w, x, b, y, N, K, n0, n1); break;
-  }
+void tile(const W* w, const float* x, float* y, int64_t M, int64_t N, int64_t K, int64_t n0,
+          int64_t n1) {
+  int64_t m = 0;
+  for (; m + 8 <= M; m += 8) rows<W, 8>(w, x + m * K, y + m * N, N, K, n0, n1);
+  if (m + 4 <= M) { rows<W, 4>(w, x + m * K, y + m * N, N, K, n0, n1); m += 4; }
+  if (m + 2 <= M) { rows<W, 2>(w, x + m * K, y + m * N, N, K, n0, n1); m += 2; }
+  if (m < M) rows<W, 1>(w, x + m * K, y + m * N, N, K, n0, n1);
+}
+
+template <typename T>
+void widen(const void* src, float* dst, int64_t n) {
+  const T* s = static_cast<const T*>(src);
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_f(s[i]);
+}
+
+template <typename T>
+void narrow(const float* src, void* dst, int64_t n) {
+  T* d = static_cast<T*>(dst);
+  for (int64_t i = 0; i < n; ++i) d[i] = from_f<T>(src[i]);
 }
 
 }  // namespace
 
-torch::Tensor small_m_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "x [M,K], w [N,K]");
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 8, "1 <= M <= 8");
-  TORCH_CHECK(weight.is_contiguous(), "weight must be contiguous");
-  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kFloat,
-              "weight must be bfloat16 or float32");
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  auto xf = x.to(torch::kFloat).contiguous();
-  torch::Tensor bf;
-  if (bias.has_value() && bias->defined()) bf = bias->to(torch::kFloat).contiguous();
-  auto y = torch::empty({M, N}, xf.options());
-  const float* xp = xf.data_ptr<float>();
-  const float* bp = bf.defined() ? bf.data_ptr<float>() : nullptr;
-  float* yp = y.data_ptr<float>();
-  const bool is_bf16 = weight.scalar_type() == at::kBFloat16;
-  const void* wp = weight.data_ptr();
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    if (is_bf16)
-      dispatch(M, static_cast<const uint16_t*>(wp), xp, bp, yp, N, K, n0, n1);
-    else
-      dispatch(M, static_cast<const float*>(wp), xp, bp, yp, N, K, n0, n1);
+// x [M, K] (x_dtype), w [N, K] (w_dtype), bias [N] (w_dtype) or null -> y [M, N] (x_dtype)
+extern "C" void lane_small_m_linear(const void* x, int x_dtype, const void* w, int w_dtype,
+                                    const void* bias, void* y, int64_t M, int64_t N, int64_t K,
+                                    int threads) {
+  std::vector<float> xf(M * K), yf(M * N), bf(bias ? N : 0);
+  LANE_DISPATCH(x_dtype, T, widen<T>(x, xf.data(), M * K));
+  if (bias) LANE_DISPATCH(w_dtype, T, widen<T>(bias, bf.data(), N));
+  LANE_DISPATCH(w_dtype, W, {
+    const W* wp = static_cast<const W*>(w);
+    parallel_for(N, 16, threads, [&](int64_t n0, int64_t n1) {
+      for (int64_t t0 = n0; t0 < n1; t0 += 16)  // 16 weight rows stay in cache for every x chunk
+        tile<W>(wp, xf.data(), yf.data(), M, N, K, t0, t0 + 16 < n1 ? t0 + 16 : n1);
+    });
   });
-  return y.to(x.scalar_type());
+  if (bias)
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < N; ++n) yf[m * N + n] += bf[n];
+  LANE_DISPATCH(x_dtype, T, narrow<T>(yf.data(), y, M * N));
 }

@@ -1,53 +1,19 @@
 // Paged decode attention on the CPU: one query token per request, K/V read in
 // place from the block-paged cache (no gather copy), fp32 accumulation.
 // Work is split over (request, kv head) pairs; each pair serves its GQA group.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "common.h"
+
+#include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <vector>
 
 namespace {
 
-inline float to_f(float x) { return x; }
-inline float to_f(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-inline float to_f(c10::Half x) { return static_cast<float>(x); }
+using namespace lane;
 
 template <typename T>
 inline void load_row(const T* src, float* dst, int64_t D) {
   for (int64_t d = 0; d < D; ++d) dst[d] = to_f(src[d]);
-}
-template <>
-inline void load_row<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_t D) {
-  // bf16 -> fp32 is a 16-bit shift: written so the compiler vectorises it
-  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
-  for (int64_t d = 0; d < D; ++d) {
-    const uint32_t u = static_cast<uint32_t>(s[d]) << 16;
-    std::memcpy(&dst[d], &u, sizeof(float));
-  }
-}
-
-// exp for x <= 0 (softmax after max subtraction), plain arithmetic so loops of
-// it vectorise: 2^n * p(r), r in [-ln2/2, ln2/2], degree-6 polynomial (rel. err ~2e-7)
-inline float fast_exp(float x) {
-  x = x < -87.f ? -87.f : x;
-  const float n = __builtin_roundf(x * 1.44269504f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
 }
 
 constexpr int64_t kMaxD = 1024;  // MLA decode: latent 512 + rope 64
@@ -60,12 +26,12 @@ constexpr int64_t kMaxBS = 256;
 template <typename T, int64_t DC>
 void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* tables,
                    const int32_t* lens, T* out, int64_t B, int64_t H, int64_t KVH,
-                   int64_t D_, int64_t BS, int64_t MB, float scale) {
+                   int64_t D_, int64_t BS, int64_t MB, float scale, int threads) {
   const int64_t D = DC ? DC : D_;
   const int64_t G = H / KVH;
   const int64_t tok_stride = D;             // next token of one head in a block
   const int64_t blk_stride = KVH * BS * D;  // next block
-  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(B * KVH, 1, threads, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), acc(G * D), s(G * BS), m(G), l(G);
     alignas(64) float rows[4][kMaxD];
     for (int64_t pair = begin; pair < end; ++pair) {
@@ -153,7 +119,7 @@ void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* tables,
       for (int64_t g = 0; g < G; ++g) {
         const float inv = 1.f / l[g];
         for (int64_t d = 0; d < D; ++d)
-          out[(b * H + h * G + g) * D + d] = static_cast<T>(acc[g * D + d] * inv);
+          out[(b * H + h * G + g) * D + d] = from_f<T>(acc[g * D + d] * inv);
       }
     }
   });
@@ -187,16 +153,16 @@ inline __m512 exp512(__m512 x) {
 }
 
 template <int DV>
-void decode_bf16_avx512(const c10::BFloat16* q_, const c10::BFloat16* kc_, const c10::BFloat16* vc_,
-                        const int64_t* tables, const int32_t* lens, c10::BFloat16* out, int64_t B,
-                        int64_t H, int64_t KVH, int64_t BS, int64_t MB, float scale) {
+void decode_bf16_avx512(const bf16* q_, const bf16* kc_, const bf16* vc_, const int64_t* tables,
+                        const int32_t* lens, bf16* out, int64_t B, int64_t H, int64_t KVH,
+                        int64_t BS, int64_t MB, float scale, int threads) {
   constexpr int64_t D = DV * 16;
   const uint16_t* qp = reinterpret_cast<const uint16_t*>(q_);
   const uint16_t* kc = reinterpret_cast<const uint16_t*>(kc_);
   const uint16_t* vc = reinterpret_cast<const uint16_t*>(vc_);
   const int64_t G = H / KVH;
   const int64_t blk_stride = KVH * BS * D;
-  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(B * KVH, 1, threads, [&](int64_t begin, int64_t end) {
     std::vector<__m512> qv(G * DV), acc(G * DV);
     std::vector<float> s(G * BS), m(G), l(G);
     const __m512 vscale = _mm512_set1_ps(scale);
@@ -296,7 +262,7 @@ void decode_bf16_avx512(const c10::BFloat16* q_, const c10::BFloat16* kc_, const
         for (int i = 0; i < DV; ++i) {
           _mm512_store_ps(tmp, _mm512_mul_ps(acc[g * DV + i], _mm512_set1_ps(inv)));
           for (int e = 0; e < 16; ++e)
-            out[(b * H + h * G + g) * D + 16 * i + e] = static_cast<c10::BFloat16>(tmp[e]);
+            out[(b * H + h * G + g) * D + 16 * i + e] = from_f<bf16>(tmp[e]);
         }
       }
     }
@@ -307,68 +273,60 @@ void decode_bf16_avx512(const c10::BFloat16* q_, const c10::BFloat16* kc_, const
 // The AVX-512 path where it applies (bf16 cache, head_dim 64 or 128); false otherwise.
 template <typename T>
 bool try_avx512(const T*, const T*, const T*, const int64_t*, const int32_t*, T*, int64_t, int64_t,
-                int64_t, int64_t, int64_t, int64_t, float) {
+                int64_t, int64_t, int64_t, int64_t, float, int) {
   return false;
 }
 #if defined(__AVX512F__)
 template <>
-bool try_avx512<c10::BFloat16>(const c10::BFloat16* q, const c10::BFloat16* kc,
-                               const c10::BFloat16* vc, const int64_t* tables, const int32_t* lens,
-                               c10::BFloat16* out, int64_t B, int64_t H, int64_t KVH, int64_t D,
-                               int64_t BS, int64_t MB, float scale) {
-  if (D == 64) decode_bf16_avx512<4>(q, kc, vc, tables, lens, out, B, H, KVH, BS, MB, scale);
-  else if (D == 128) decode_bf16_avx512<8>(q, kc, vc, tables, lens, out, B, H, KVH, BS, MB, scale);
+bool try_avx512<bf16>(const bf16* q, const bf16* kc, const bf16* vc, const int64_t* tables,
+                      const int32_t* lens, bf16* out, int64_t B, int64_t H, int64_t KVH, int64_t D,
+                      int64_t BS, int64_t MB, float scale, int threads) {
+  if (D == 64) decode_bf16_avx512<4>(q, kc, vc, tables, lens, out, B, H, KVH, BS, MB, scale, threads);
+  else if (D == 128) decode_bf16_avx512<8>(q, kc, vc, tables, lens, out, B, H, KVH, BS, MB, scale, threads);
   else return false;
   return true;
 }
 #endif
 
+template <typename T>
+void paged_decode(const T* qp, const T* kc, const T* vc, const int64_t* tp, const int32_t* lp, T* op,
+                  int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t BS, int64_t MB, float sc,
+                  int threads) {
+  // nb requests starting at q_ / tables_ / lens_ / out_, nh query heads each
+  auto launch = [&](const T* q_, const int64_t* tables_, const int32_t* lens_, T* out_, int64_t nb,
+                    int64_t nh) {
+    if (try_avx512(q_, kc, vc, tables_, lens_, out_, nb, nh, KVH, D, BS, MB, sc, threads)) return;
+    if (D == 64) decode_kernel<T, 64>(q_, kc, vc, tables_, lens_, out_, nb, nh, KVH, D, BS, MB, sc, threads);
+    else if (D == 128) decode_kernel<T, 128>(q_, kc, vc, tables_, lens_, out_, nb, nh, KVH, D, BS, MB, sc, threads);
+    else decode_kernel<T, 0>(q_, kc, vc, tables_, lens_, out_, nb, nh, KVH, D, BS, MB, sc, threads);
+  };
+  // Work is split over (request, KV head). With one KV head (MQA, MLA's latent) and fewer
+  // requests than threads, each request's query heads are split too, so every thread gets some.
+  const int64_t splits = (KVH == 1 && B < threads) ? std::min<int64_t>(H, threads / B) : 1;
+  if (splits > 1) {
+    const int64_t hc = (H + splits - 1) / splits;
+    parallel_for(B * splits, 1, threads, [&](int64_t u0, int64_t u1) {
+      for (int64_t u = u0; u < u1; ++u) {
+        const int64_t b = u / splits, h0 = (u % splits) * hc, n = std::min(hc, H - h0);
+        if (n > 0) launch(qp + (b * H + h0) * D, tp + b * MB, lp + b, op + (b * H + h0) * D, 1, n);
+      }
+    });
+  } else {
+    launch(qp, tp, lp, op, B, H);
+  }
+}
+
 }  // namespace
 
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor context_lens,
-                                     double scale) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4, "q [B,H,D], cache [NB,KVH,BS,D]");
-  TORCH_CHECK(q.size(2) <= kMaxD, "head_dim above 1024");
-  TORCH_CHECK(k_cache.size(2) <= kMaxBS, "block size above 256");
-  q = q.contiguous();
-  auto tables = block_tables.to(torch::kInt64).contiguous();
-  auto lens = context_lens.to(torch::kInt32).contiguous();
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "cache must be contiguous");
-  auto out = torch::empty_like(q);
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t KVH = k_cache.size(1), BS = k_cache.size(2), MB = tables.size(1);
-  const float sc = static_cast<float>(scale);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
-    const scalar_t* kc = k_cache.data_ptr<scalar_t>();
-    const scalar_t* vc = v_cache.data_ptr<scalar_t>();
-    // nb requests starting at q_ / tables_ / lens_ / out_, nh query heads each
-    auto launch = [&](const scalar_t* q_, const int64_t* tables_, const int32_t* lens_, scalar_t* out_,
-                      int64_t nb, int64_t nh) {
-      if (try_avx512(q_, kc, vc, tables_, lens_, out_, nb, nh, KVH, D, BS, MB, sc)) return;
-      if (D == 64) decode_kernel<scalar_t, 64>(q_, kc, vc, tables_, lens_, out_, nb, nh, KVH, D, BS, MB, sc);
-      else if (D == 128) decode_kernel<scalar_t, 128>(q_, kc, vc, tables_, lens_, out_, nb, nh, KVH, D, BS, MB, sc);
-      else decode_kernel<scalar_t, 0>(q_, kc, vc, tables_, lens_, out_, nb, nh, KVH, D, BS, MB, sc);
-    };
-    const scalar_t* qp = q.data_ptr<scalar_t>();
-    scalar_t* op = out.data_ptr<scalar_t>();
-    const int64_t* tp = tables.data_ptr<int64_t>();
-    const int32_t* lp = lens.data_ptr<int32_t>();
-    // Work is split over (request, KV head). With one KV head (MQA, MLA's latent) and fewer
-    // requests than threads, each request's query heads are split too, so every thread gets some.
-    const int64_t threads = at::get_num_threads();
-    const int64_t splits = (KVH == 1 && B < threads) ? std::min<int64_t>(H, threads / B) : 1;
-    if (splits > 1) {
-      const int64_t hc = (H + splits - 1) / splits;
-      at::parallel_for(0, B * splits, 1, [&](int64_t u0, int64_t u1) {
-        for (int64_t u = u0; u < u1; ++u) {  // raw pointers only: no tensor ops on pool threads
-          const int64_t b = u / splits, h0 = (u % splits) * hc, n = std::min(hc, H - h0);
-          if (n > 0) launch(qp + (b * H + h0) * D, tp + b * MB, lp + b, op + (b * H + h0) * D, 1, n);
-        }
-      });
-    } else {
-      launch(qp, tp, lp, op, B, H);
-    }
-  });
-  return out;
+// q [B, H, D], caches [NB, KVH, BS, D] (one dtype), block_tables [B, MB] int64,
+// context_lens [B] int32 -> out [B, H, D]; head_dim <= 1024, block size <= 256
+extern "C" void lane_paged_decode_attention(const void* q, const void* k_cache, const void* v_cache,
+                                            int dtype, const int64_t* block_tables,
+                                            const int32_t* context_lens, void* out, int64_t B,
+                                            int64_t H, int64_t KVH, int64_t D, int64_t BS, int64_t MB,
+                                            float scale, int threads) {
+  LANE_DISPATCH(dtype, T,
+                paged_decode<T>(static_cast<const T*>(q), static_cast<const T*>(k_cache),
+                                static_cast<const T*>(v_cache), block_tables, context_lens,
+                                static_cast<T*>(out), B, H, KVH, D, BS, MB, scale, threads));
 }

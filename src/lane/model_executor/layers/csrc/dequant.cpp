@@ -1,0 +1,53 @@
+// GGUF block dequantisation (Q4_0, Q4_1, Q8_0) straight into the model dtype: one pass
+// over the weights where torch needs six. Built with -ffp-contract=off: d * q + m
+// rounds twice, as gguf's numpy reference (and so transformers) computes it.
+#include "common.h"
+
+namespace {
+
+using namespace lane;
+
+enum Ggml : int { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2 };
+
+inline float half_at(const uint8_t* p) {
+  f16 h;
+  std::memcpy(&h, p, sizeof(h));
+  return to_f(h);
+}
+
+template <typename T>
+void dequant_blocks(const uint8_t* src, int qtype, int64_t b0, int64_t b1, T* dst) {
+  const int64_t size = qtype == kQ4_0 ? 18 : (qtype == kQ4_1 ? 20 : 34);  // bytes per 32 values
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint8_t* blk = src + b * size;
+    T* out = dst + b * 32;
+    const float d = half_at(blk);
+    if (qtype == kQ8_0) {
+      const int8_t* q = reinterpret_cast<const int8_t*>(blk + 2);
+      for (int i = 0; i < 32; ++i) out[i] = from_f<T>(d * static_cast<float>(q[i]));
+    } else if (qtype == kQ4_0) {  // low nibbles are values 0-15, high nibbles 16-31
+      const uint8_t* q = blk + 2;
+      for (int i = 0; i < 16; ++i) {
+        out[i] = from_f<T>(d * static_cast<float>((q[i] & 0x0f) - 8));
+        out[i + 16] = from_f<T>(d * static_cast<float>((q[i] >> 4) - 8));
+      }
+    } else {
+      const float m = half_at(blk + 2);
+      const uint8_t* q = blk + 4;
+      for (int i = 0; i < 16; ++i) {
+        out[i] = from_f<T>(d * static_cast<float>(q[i] & 0x0f) + m);
+        out[i + 16] = from_f<T>(d * static_cast<float>(q[i] >> 4) + m);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+// src: nblocks GGUF blocks of qtype (0 Q4_0, 1 Q4_1, 2 Q8_0) -> dst [nblocks * 32] (dtype)
+extern "C" void lane_dequant_ggml(const void* src, int qtype, int64_t nblocks, void* dst, int dtype,
+                                  int threads) {
+  LANE_DISPATCH(dtype, T, parallel_for(nblocks, 4096, threads, [&](int64_t b0, int64_t b1) {
+    dequant_blocks<T>(static_cast<const uint8_t*>(src), qtype, b0, b1, static_cast<T*>(dst));
+  }));
+}

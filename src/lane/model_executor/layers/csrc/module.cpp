@@ -1,0 +1,67 @@
+// The Python module over the kernels: each function takes the kernel's arguments as
+// Python ints (pointers, sizes, dtype codes) and floats, with METH_FASTCALL, so a call
+// costs a fraction of a microsecond (ctypes: about two). Only Python.h: compiles fast.
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <cstdint>
+#include <tuple>
+
+extern "C" {
+void lane_paged_decode_attention(const void*, const void*, const void*, int, const int64_t*,
+                                 const int32_t*, void*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                 int64_t, float, int);
+void lane_small_m_linear(const void*, int, const void*, int, const void*, void*, int64_t, int64_t,
+                         int64_t, int);
+void lane_rms_norm_(void*, void*, const void*, int, int64_t, int64_t, float, int);
+void lane_rotary_(void*, int, int64_t, int64_t, int64_t, int64_t, const int64_t*, const float*,
+                  const float*, int64_t, int);
+void lane_silu_and_mul(const void*, void*, int, int64_t, int64_t, int);
+void lane_sinkhorn_(float*, int64_t, int64_t, int64_t, float, int);
+void lane_dequant_ggml(const void*, int, int64_t, void*, int, int);
+}
+
+namespace {
+
+template <typename T>
+void get(PyObject* o, T*& v) {  // a pointer: an int (Tensor.data_ptr()), or None for null
+  v = static_cast<T*>(o == Py_None ? nullptr : PyLong_AsVoidPtr(o));
+}
+void get(PyObject* o, int64_t& v) { v = PyLong_AsLongLong(o); }
+void get(PyObject* o, int& v) { v = static_cast<int>(PyLong_AsLong(o)); }
+void get(PyObject* o, float& v) { v = static_cast<float>(PyFloat_AsDouble(o)); }
+
+// Parse every argument by the kernel's own parameter types, then run it without the GIL.
+template <typename... A>
+PyObject* invoke(void (*fn)(A...), PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != static_cast<Py_ssize_t>(sizeof...(A))) {
+    PyErr_Format(PyExc_TypeError, "expected %d arguments, got %zd", static_cast<int>(sizeof...(A)), nargs);
+    return nullptr;
+  }
+  std::tuple<A...> values;
+  Py_ssize_t i = 0;
+  std::apply([&](auto&... v) { (get(args[i++], v), ...); }, values);
+  if (PyErr_Occurred()) return nullptr;
+  Py_BEGIN_ALLOW_THREADS
+  std::apply(fn, values);
+  Py_END_ALLOW_THREADS
+  Py_RETURN_NONE;
+}
+
+template <auto Fn>
+PyObject* wrap(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  return invoke(Fn, args, nargs);
+}
+
+#define LANE_DEF(name) {#name, reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(wrap<name>)), METH_FASTCALL, nullptr}
+PyMethodDef methods[] = {
+    LANE_DEF(lane_paged_decode_attention), LANE_DEF(lane_small_m_linear), LANE_DEF(lane_rms_norm_),
+    LANE_DEF(lane_rotary_), LANE_DEF(lane_silu_and_mul), LANE_DEF(lane_sinkhorn_),
+    LANE_DEF(lane_dequant_ggml),
+    {nullptr, nullptr, 0, nullptr}};
+
+PyModuleDef module = {PyModuleDef_HEAD_INIT, "lane_kernels", "lane's CPU kernels", -1, methods};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit_lane_kernels() { return PyModule_Create(&module); }
