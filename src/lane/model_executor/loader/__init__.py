@@ -55,10 +55,10 @@ def get_model(model_config: ModelConfig, load_threads: int = 4, progress: bool =
         from lane.model_executor.loader.gguf_loader import iter_gguf_weights
 
         reader = model_config.gguf_reader
-        for name, tensor in tqdm(iter_gguf_weights(reader, model_config.hf_config),
-                                 total=len(reader.tensors), desc=desc, disable=not progress,
-                                 unit="tensor"):
-            consume(name, tensor)
+        # one load_weights call for the whole stream: it maps the parameters once
+        loaded.update(model.load_weights(tqdm(
+            iter_gguf_weights(reader, model_config.hf_config, model_config.dtype), total=len(reader.tensors),
+            desc=desc, disable=not progress, unit="tensor")))
     else:
         from lane.model_executor.loader.safetensors_loader import (count_tensors, load_safetensors,
                                                                    safetensors_files)

@@ -98,18 +98,27 @@ def _nibbles(qs: torch.Tensor) -> torch.Tensor:
     return torch.cat((qs & 0x0F, qs >> 4), dim=-1).float()
 
 
-def dequantize(data: np.ndarray, qtype: int, shape: tuple[int, ...]) -> torch.Tensor:
-    """One GGUF tensor -> float32 torch tensor of ``shape`` (torch order)."""
+def dequantize(data: np.ndarray, qtype: int, shape: tuple[int, ...],
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """One GGUF tensor -> a torch tensor of ``shape`` (torch order) in ``dtype``. The
+    values are gguf's reference (and so transformers'): float32 math, then one rounding
+    to ``dtype``. Q4_0 / Q4_1 / Q8_0 go through the CPU kernel where it is built."""
     import gguf
 
+    from lane.model_executor.layers import cpu_kernels
+
     Q = gguf.GGMLQuantizationType
+    if qtype in (Q.Q8_0, Q.Q4_0, Q.Q4_1) and cpu_kernels.build():  # waits for a build in flight
+        # read in place from the mmap: no copy
+        return cpu_kernels.dequant_ggml(np.ascontiguousarray(data).view(np.uint8), Q(qtype).name,
+                                        dtype).reshape(shape)
     raw = torch.from_numpy(np.array(data, copy=True))  # the mmap is read-only
     if qtype == Q.F32:
-        return raw.view(torch.float32).reshape(shape).clone()
+        return raw.view(torch.float32).reshape(shape).to(dtype, copy=True)
     if qtype == Q.F16:
-        return raw.view(torch.float16).reshape(shape).float()
+        return raw.view(torch.float16).reshape(shape).float().to(dtype)
     if qtype == Q.BF16:
-        return raw.view(torch.int16).view(torch.bfloat16).reshape(shape).float()
+        return raw.view(torch.int16).view(torch.bfloat16).reshape(shape).float().to(dtype)
     if qtype in (Q.Q8_0, Q.Q4_0, Q.Q4_1):
         block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
         blocks = raw.view(torch.uint8).reshape(-1, type_size)
@@ -121,9 +130,9 @@ def dequantize(data: np.ndarray, qtype: int, shape: tuple[int, ...]) -> torch.Te
         else:
             m = _f16(blocks[:, 2:4])
             vals = d * _nibbles(blocks[:, 4:]) + m
-        return vals.reshape(shape)
+        return vals.reshape(shape).to(dtype)
     # any other type: gguf's reference numpy dequantiser
-    return torch.from_numpy(gguf.quants.dequantize(data, qtype).astype(np.float32)).reshape(shape)
+    return torch.from_numpy(gguf.quants.dequantize(data, qtype).astype(np.float32)).reshape(shape).to(dtype)
 
 
 def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -143,13 +152,13 @@ def hf_tensor_name(gguf_name: str) -> str | None:
     return f"{_TENSOR_NAMES[base]}.{kind}" if base in _TENSOR_NAMES else None
 
 
-def iter_gguf_weights(reader, hf_config) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf_weights(reader, hf_config, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
     arch = _field(reader, "general.architecture")
     for t in reader.tensors:
         name = hf_tensor_name(t.name)
         if name is None:
             continue
-        w = dequantize(t.data, t.tensor_type, t.shape)
+        w = dequantize(t.data, t.tensor_type, t.shape, dtype)
         if arch in ("llama", "mistral"):
             if name.endswith("self_attn.q_proj.weight"):
                 w = _unpermute(w, hf_config.num_attention_heads)
