@@ -6,6 +6,7 @@ request's pending tokens go through the LM head and the sampler.
 from __future__ import annotations
 
 import math
+import mmap
 import time
 
 import torch
@@ -16,6 +17,17 @@ from lane.model_executor.layers.attention import AttentionMetadata, PrefillSpan,
 from lane.model_executor.layers.sampler import SamplingMetadata, sample
 from lane import platform, tracing
 from lane.tracing import tracer
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed tensor. On a CPU, a large one is anonymous memory from the kernel: its zero
+    pages are mapped when first touched, so a pool of gigabytes costs nothing at start-up
+    (torch.zeros writes every byte first: seconds for the default 4 GiB budget)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if device.type != "cpu" or nbytes < (1 << 20):
+        return torch.zeros(shape, dtype=dtype, device=device)
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
 
 
 class ModelRunner:
@@ -51,12 +63,11 @@ class ModelRunner:
                 n = num_window_blocks if layer.cache_group(name) == "window" else num_blocks
                 # zeroed: padded and not-yet-written slots are read (then masked), and
                 # must hold finite values
-                t = torch.zeros((n, *shape), dtype=layer.cache_dtype(name) or self.dtype,
-                                device=self.device)
+                t = zeros((n, *shape), layer.cache_dtype(name) or self.dtype, self.device)
                 setattr(layer, name, t)
                 self.kv_caches.append(t)
             for name, shape in layer.state_shapes().items():
-                setattr(layer, name, torch.zeros((self.num_state_slots, *shape), device=self.device))
+                setattr(layer, name, zeros((self.num_state_slots, *shape), torch.float32, self.device))
 
     # -- step 20: inputs ---------------------------------------------------------
     def _prepare(self, sched: SchedulerOutput):
