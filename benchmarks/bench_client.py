@@ -2,7 +2,7 @@
 same workload, one run. The two tools must agree within noise on TTFT, TPOT and
 throughput (they time a stream the same way).
 
-Starts `lane serve` (bf16, the embedded SmolLM2, prefix caching off), runs
+Starts `lane serve` (the CPU's fastest dtype, the embedded SmolLM2, prefix caching off), runs
 `lane bench` and then `vllm bench serve` (from the vLLM venv, benchmarks/setup_vllm_cpu.sh)
 with the same flags: random dataset, 64 prompts, 256 in / 128 out, ignore_eos,
 concurrency 8. Prints both and the ratios vLLM / lane.
@@ -52,7 +52,7 @@ def main() -> None:
     url = f"http://127.0.0.1:{port}"
     log = os.path.join(out_dir, "lane-serve.log")
     server = subprocess.Popen([sys.executable, "-m", "lane.entrypoints.cli", "serve", "--port", str(port),
-                               "--dtype", "bfloat16", "--no-enable-prefix-caching", "--max-model-len", "4096"],
+                               "--no-enable-prefix-caching", "--max-model-len", "4096"],
                               stdout=open(log, "w"), stderr=subprocess.STDOUT,
                               env={**os.environ, "LANE_LOGGING_LEVEL": "WARNING"})
     common = ["--base-url", url, "--dataset-name", "random", "--num-prompts", str(args.num_prompts),

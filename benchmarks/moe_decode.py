@@ -27,7 +27,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from offline_throughput import check_quiet  # noqa: E402
+from offline_throughput import DTYPES, check_quiet, concrete_dtype  # noqa: E402
 
 CONFIG = dict(hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=8,
               first_k_dense_replace=1, n_routed_experts=32, num_experts_per_tok=8, n_group=4, topk_group=2,
@@ -102,14 +102,16 @@ def compare(d: str, label: str, args, lane_kwargs: dict | None = None) -> dict:
     return head
 
 
-def arguments(doc: str, dtype: str = "bfloat16") -> argparse.Namespace:
+def arguments(doc: str, dtype: str = "auto") -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--batch-sizes", default="1,8")
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--dtype", default=dtype, choices=["bfloat16", "float32"])
+    ap.add_argument("--dtype", default=dtype, choices=DTYPES, help="auto: the CPU's fastest")
     ap.add_argument("--repeats", type=int, default=2)
-    return ap.parse_args()
+    args = ap.parse_args()
+    args.dtype = concrete_dtype(args.dtype)
+    return args
 
 
 def main() -> None:

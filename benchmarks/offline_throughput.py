@@ -1,7 +1,8 @@
 """Offline throughput: lane against HF transformers `generate`, same workload, one run.
 
 Workload: N requests with random prompts of 128-512 tokens, 128 output tokens each,
-ignore_eos, greedy, bfloat16, on the embedded SmolLM2-135M. HF runs at batch sizes
+ignore_eos, greedy, the CPU's fastest dtype (``--dtype auto``: bfloat16 with AVX512-BF16,
+else float32), on the embedded SmolLM2-135M. HF runs at batch sizes
 8/16/32/64 (prompts sorted by length, left-padded per batch); the ratio is lane's
 output tokens/s over HF's best. Also: lane's batch-1 decode and 1,024-token prefill
 speed, printed beside the peers' figures measured on this machine kind (PERF.md).
@@ -43,6 +44,19 @@ def cpu_busy_fraction(seconds: float = 1.0) -> float:
     except OSError:
         return 0.0
     return 1.0 - (i1 - i0) / max(1, t1 - t0)
+
+
+DTYPES = ["auto", "bfloat16", "float32", "float16"]
+
+
+def concrete_dtype(name: str) -> str:
+    """'auto' -> this CPU's fastest dtype, as lane picks it (bfloat16 with AVX512-BF16 / AMX,
+    else float32), so every peer in the run gets the same one."""
+    import torch
+
+    from lane import platform
+
+    return str(platform.resolve_dtype(name, torch.device("cpu"))).removeprefix("torch.")
 
 
 def check_quiet() -> None:
@@ -124,11 +138,12 @@ def main() -> None:
     ap.add_argument("--min-input-len", type=int, default=128)
     ap.add_argument("--max-input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--dtype", default="auto", choices=DTYPES, help="auto: the CPU's fastest")
     ap.add_argument("--hf-batch-sizes", default="8,16,32,64")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    args.dtype = concrete_dtype(args.dtype)
     check_quiet()
     prompts = make_workload(args.num_prompts, args.min_input_len, args.max_input_len, 49152, args.seed)
     print(f"workload: {len(prompts)} requests, {args.min_input_len}-{args.max_input_len} prompt "

@@ -133,7 +133,7 @@ def free_port() -> int:
 
 
 def vllm_serve_command(python: str, model_dir: str, port: int, served_name: str,
-                       extra: Sequence[str] = ()) -> tuple[list[str], dict[str, str]]:
+                       extra: Sequence[str] = (), dtype: str = "bfloat16") -> tuple[list[str], dict[str, str]]:
     """argv and environment that start vLLM's OpenAI-compatible server on 127.0.0.1:`port`.
 
     `python` is vllm_python()'s answer, `model_dir` smollm_hf_dir()'s; requests name the model
@@ -144,7 +144,7 @@ def vllm_serve_command(python: str, model_dir: str, port: int, served_name: str,
         "--host", "127.0.0.1",
         "--port", str(port),
         "--served-model-name", served_name,
-        "--dtype", "bfloat16",
+        "--dtype", dtype,
         # A cached prefix makes a repeated prompt nearly free: numbers would depend on the
         # order of requests, and lane's side would not be measured alike.
         "--no-enable-prefix-caching",

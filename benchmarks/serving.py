@@ -1,7 +1,8 @@
 """Online serving: `lane serve` against vLLM's CPU build, same streaming workload, one run.
 
 Both serve the same weights (the packaged SmolLM2-135M-Instruct, converted once to an HF
-directory in bfloat16 by peers.smollm_hf_dir), in bfloat16, prefix caching off. The
+directory in bfloat16 by peers.smollm_hf_dir), in one dtype (`--dtype auto`: the CPU's fastest,
+bfloat16 with AVX512-BF16, else float32), prefix caching off. The
 client streams /v1/completions with random token-id prompts (no shared prefixes),
 ignore_eos, at each --concurrency level: first against lane, then against vLLM (started
 from its own venv, benchmarks/setup_vllm_cpu.sh). Printed for each: output tokens/s and
@@ -31,7 +32,7 @@ import httpx2 as httpx
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from offline_throughput import check_quiet  # noqa: E402
+from offline_throughput import DTYPES, check_quiet, concrete_dtype  # noqa: E402
 from peers import free_port, smollm_hf_dir, vllm_python, vllm_serve_command  # noqa: E402
 
 SERVED_NAME = "smollm2"
@@ -178,7 +179,9 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-vllm", action="store_true", help="only lane (no vLLM venv needed)")
+    ap.add_argument("--dtype", default="auto", choices=DTYPES, help="auto: the CPU's fastest")
     args = ap.parse_args()
+    dtype = concrete_dtype(args.dtype)
 
     default_n = {1: 8, 8: 32, 32: 64}
     counts = args.requests_per_level or [default_n.get(c, 2 * c) for c in args.concurrency]
@@ -193,7 +196,7 @@ def main() -> None:
 
     port = free_port()
     lane_argv = [sys.executable, "-m", "lane.entrypoints.cli", "serve", model_dir, "--port", str(port),
-                 "--served-model-name", SERVED_NAME, "--dtype", "bfloat16", "--no-enable-prefix-caching",
+                 "--served-model-name", SERVED_NAME, "--dtype", dtype, "--no-enable-prefix-caching",
                  "--max-model-len", "4096"]
     results["lane"] = bench_server("lane", lane_argv, {**os.environ, "LANE_LOGGING_LEVEL": "WARNING"},
                                    "lane", port, args.concurrency, workloads, args.output_len)
@@ -202,11 +205,12 @@ def main() -> None:
         print("vLLM's CPU build is not set up (bash benchmarks/setup_vllm_cpu.sh); lane only", file=sys.stderr)
     if py is not None:
         port = free_port()
-        argv, env = vllm_serve_command(py, model_dir, port, SERVED_NAME, extra=["--max-model-len", "4096"])
+        argv, env = vllm_serve_command(py, model_dir, port, SERVED_NAME, extra=["--max-model-len", "4096"],
+                                       dtype=dtype)
         results["vllm"] = bench_server("vllm", argv, env, "vllm", port, args.concurrency, workloads,
                                        args.output_len)
 
-    print(f"\nstreaming /v1/completions, {args.input_len} in / {args.output_len} out, bf16, "
+    print(f"\nstreaming /v1/completions, {args.input_len} in / {args.output_len} out, {dtype}, "
           f"prefix caching off")
     head = (f"{'server':<6} {'conc':>4} {'reqs':>5} {'out tok/s':>9} {'TTFT mean':>9} {'P50':>7} {'P99':>7} "
             f"{'TPOT mean':>9} {'P50':>6} {'P99':>6} {'ITL P99':>7}  (ms)")
