@@ -8,7 +8,7 @@ from lane import LLM, SamplingParams
 from lane.entrypoints.explain import explain
 from lane.entrypoints.tiny_model import quantize_block_fp8, write_tiny_model
 from lane.model_executor.loader.fp8 import dequantize_block_fp8
-from conftest import assert_logprobs_match_hf, hf_greedy, traced_spans
+from conftest import assert_greedy_equals_hf, assert_logprobs_match_hf, traced_spans
 
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 256,
         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
@@ -56,7 +56,9 @@ def test_logits_match_transformers(case, tiny):
 def test_engine_greedy_equals_transformers(case, tiny):
     """Paged latent cache, chunked prefill (32-token budget), prefix-cache hits and a
     batch of mixed lengths: 32 greedy tokens each, equal to transformers' own
-    cached greedy decoding."""
+    cached greedy decoding. With V3.2 they may part only at a token whose indexer
+    top-k choice, somewhere upstream, is a near tie: float32 does not determine it
+    (transformers' cached and full forwards then disagree too; see DsaNearTies)."""
     from transformers import AutoModelForCausalLM
 
     d = tiny(case)
@@ -71,8 +73,9 @@ def test_engine_greedy_equals_transformers(case, tiny):
     hits_before = llm.prefix_cache_stats.hits
     outs += llm.generate([{"prompt_token_ids": p} for p in second], sp, use_tqdm=False)
     assert llm.prefix_cache_stats.hits - hits_before >= 2 * 48
-    for ids, out in zip(first + second, outs):
-        assert out.outputs[0].token_ids == hf_greedy(hf, ids, 32), (case, len(ids))
+    compared = sum(assert_greedy_equals_hf(hf, ids, out.outputs[0].token_ids, 32, (case, len(ids)))
+                   for ids, out in zip(first + second, outs))
+    assert compared >= 0.75 * 32 * len(outs), compared  # near ties are rare: most tokens are compared
 
 
 def test_latent_cache_pool_matches_explain(tiny):
