@@ -13,11 +13,13 @@ from tokenizers.decoders import DecodeStream
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, stop: list[str], skip_special_tokens: bool = True,
-                 include_stop_str_in_output: bool = False) -> None:
+                 include_stop_str_in_output: bool = False, min_tokens: int = 0) -> None:
         self._backend = tokenizer.backend_tokenizer
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self.stop = stop
         self.include_stop = include_stop_str_in_output
+        self.min_tokens = min_tokens  # stop strings count only in text after this many tokens (vLLM)
+        self.num_tokens = 0
         self.hold_back = max((len(s) for s in stop), default=1) - 1 if not include_stop_str_in_output else 0
         self.output_text = ""
         self._sent = 0  # characters already handed out as deltas
@@ -27,9 +29,10 @@ class IncrementalDetokenizer:
         for tid in new_token_ids:
             before = len(self.output_text)
             chunk = self._stream.step(self._backend, tid)
+            self.num_tokens += 1
             if chunk:
                 self.output_text += chunk
-            if self.stop and len(self.output_text) > before:
+            if self.stop and len(self.output_text) > before and self.num_tokens > self.min_tokens:
                 found = self._find_stop(before)
                 if found is not None:
                     return found
