@@ -93,6 +93,29 @@ def test_sigterm_stops_server_and_engines():
             assert not _alive(pid)
 
 
+@pytest.mark.parametrize("busy", [False, True], ids=["idle", "busy"])
+def test_engine_exits_when_the_api_server_is_killed(busy):
+    """An API server that dies without a word (SIGKILL, OOM) must not leave its engine
+    holding the model and the KV pool: the engine exits within 10 s, idle or mid-stream."""
+    with RemoteServer(ARGS) as s:
+        (pid,) = s.engine_pids()
+        if busy:
+            c = s.client(timeout=30)
+            stream = c.completions.create(model=c.models.list().data[0].id, prompt="Once upon a time",
+                                          max_tokens=900, extra_body={"ignore_eos": True}, stream=True)
+            next(iter(stream))  # the engine is generating, and sending outputs
+        s.proc.kill()
+        s.proc.wait(5)
+        deadline = time.monotonic() + 10
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        orphaned = _alive(pid)
+        if orphaned:
+            os.kill(pid, signal.SIGKILL)  # leave no engine behind, whatever the outcome
+        assert not orphaned, "the engine outlived its API server by 10 s"
+        assert f"API server (pid {s.proc.pid}) is gone; engine core 0 exits" in s.read_log()
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -168,7 +168,6 @@ class EngineCoreProc:
         import zmq
 
         self.engine_index = engine_index
-        self.parent_pid = os.getppid()
         self.ctx = zmq.Context()
         self.output_socket = self.ctx.socket(zmq.PUSH)
         self.output_socket.connect(output_address)
@@ -217,16 +216,8 @@ class EngineCoreProc:
 
     def run_busy_loop(self) -> None:
         while True:
-            if not self.core.has_unfinished_requests():
-                # idle: block on the queue, waking now and then to see whether the frontend is gone
-                while True:
-                    try:
-                        self._handle(*self.input_queue.get(timeout=1.0))
-                        break
-                    except queue.Empty:
-                        if os.getppid() != self.parent_pid:
-                            logger.info("Frontend is gone; engine core %d exits", self.engine_index)
-                            return
+            if not self.core.has_unfinished_requests():  # idle: block on the queue
+                self._handle(*self.input_queue.get())
             while not self.input_queue.empty():
                 self._handle(*self.input_queue.get_nowait())
             outputs = self.core.step()
@@ -244,10 +235,25 @@ class EngineCoreProc:
                 self._send(EngineCoreOutputType.SPANS, tracer.drain())
 
 
+def watch_parent(parent_pid: int, engine_index: int, interval_s: float = 0.5) -> None:
+    """End this process (os._exit: no clean-up that could block) once the API server that
+    spawned it is gone without stopping it (SIGKILL, OOM). Nobody would read its outputs, a
+    send into a socket without a peer blocks forever, and the model and KV pool stay held.
+    A daemon thread, so it acts whatever the main thread is in: idle, a forward, a send."""
+    def watch() -> None:
+        while os.getppid() == parent_pid:  # an orphan is re-parented: its parent pid changes
+            time.sleep(interval_s)
+        logger.warning("API server (pid %d) is gone; engine core %d exits", parent_pid, engine_index)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="ParentWatch").start()
+
+
 def run_engine_core(args, engine_index: int, input_address: str, output_address: str,
                     cpu_ids: list[int] | None = None) -> None:
     """Entry point of an engine-core process (spawned by the frontend's core client)."""
     configure_process_logging(f"EngineCore_DP{engine_index}")
+    watch_parent(os.getppid(), engine_index)  # from the start: loading can take long too
     # SIGTERM (from the frontend's shutdown or a user) ends the loop through SystemExit
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the frontend, which stops us
