@@ -186,6 +186,12 @@ class EngineCoreProc:
             tracer.drain() if tracer.enabled else None,
             skipped_steps(config.model_config.hf_config) if tracer.enabled else None))
         self._last_stats: SchedulerStats | None = None
+        # Fault injection, for tests only: LANE_FAULT_INJECT=step:N makes this process's N-th
+        # step raise (a ValueError, the kind a bad configuration also raises at start-up), so
+        # the handling of a runtime error while serving is tested on a real server.
+        fault = os.environ.get("LANE_FAULT_INJECT", "")
+        self._fail_at_step = int(fault.removeprefix("step:")) if fault.startswith("step:") else 0
+        self._num_steps = 0
 
     def _read_inputs(self, address: str) -> None:
         import zmq
@@ -220,6 +226,9 @@ class EngineCoreProc:
                 self._handle(*self.input_queue.get())
             while not self.input_queue.empty():
                 self._handle(*self.input_queue.get_nowait())
+            self._num_steps += 1
+            if self._num_steps == self._fail_at_step:
+                raise ValueError(f"fault injected at step {self._num_steps} (LANE_FAULT_INJECT)")
             outputs = self.core.step()
             stats = self.core.scheduler.make_stats()
             if outputs or stats != self._last_stats:
@@ -260,12 +269,19 @@ def run_engine_core(args, engine_index: int, input_address: str, output_address:
     if cpu_ids:
         os.sched_setaffinity(0, cpu_ids)
     try:
-        EngineCoreProc(args, engine_index, input_address, output_address).run_busy_loop()
+        proc = EngineCoreProc(args, engine_index, input_address, output_address)
     except SystemExit:
-        pass
+        return
     except (ValueError, FileNotFoundError) as e:  # a configuration the engine cannot run
         logger.error("Engine core %d cannot start: %s", engine_index, e)
         sys.exit(1)
     except BaseException:
-        logger.exception("Engine core %d died", engine_index)
+        logger.exception("Engine core %d cannot start", engine_index)
+        sys.exit(1)
+    try:
+        proc.run_busy_loop()
+    except SystemExit:
+        pass
+    except BaseException:  # the frontend's watchdog sees the exit: its requests fail, /health 503
+        logger.exception("Engine core %d stopped on a runtime error while serving", engine_index)
         sys.exit(1)
