@@ -95,6 +95,7 @@ def test_sampler_draws_from_the_distribution():
     (dict(top_k=-3), "top_k"), (dict(n=0), "n"), (dict(max_tokens=0), "max_tokens"),
     (dict(logprobs=21), "logprobs"), (dict(min_p=2.0), "min_p"),
     (dict(presence_penalty=3.0), "presence_penalty"), (dict(repetition_penalty=0.0), "repetition_penalty"),
+    (dict(seed=2**64), "seed"),  # torch's generators take 64-bit seeds: the engine would crash on it
 ])
 def test_invalid_sampling_params(kw, field):
     with pytest.raises(ValueError, match=field):
