@@ -130,6 +130,43 @@ def test_runtime_error_while_serving_fails_requests_and_health():
         assert "Traceback" in log and "cannot start" not in log
 
 
+def test_engine_not_taking_requests_gives_503_and_aborts_the_prompts_sent():
+    """An engine whose input queue is full (stopped with SIGSTOP here, so ZeroMQ's high-water
+    mark fills and a send fails with zmq.Again): a completion of many prompts gets an
+    OpenAI-style 503, and its prompts already sent are aborted, not computed for nobody."""
+    with RemoteServer(ARGS) as s:
+        (pid,) = s.engine_pids()
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            r = httpx.post(s.url + "/v1/completions", timeout=60, json={
+                "prompt": [[1, 2, 3, 4]] * 4000, "max_tokens": 200, "ignore_eos": True})
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert r.status_code == 503, r.text[:300]
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"}
+        assert err["type"] == "ServiceUnavailableError" and err["code"] == 503
+        # the engine got the prompts sent before the failure, and their aborts: soon it is idle
+        # (1000+ requests of 200 tokens would keep it busy for many minutes)
+        time.sleep(2)  # it runs again, and has reported what it holds
+        deadline = time.monotonic() + 30
+        while True:
+            text = httpx.get(s.url + "/metrics", timeout=30).text
+            reported = "vllm:num_requests_waiting{" in text  # the engine's stats have arrived
+            busy = metric(text, "vllm:num_requests_running") + metric(text, "vllm:num_requests_waiting") \
+                if reported else None
+            if busy == 0:
+                break
+            assert time.monotonic() < deadline, f"{busy} requests still in the engine"
+            time.sleep(0.5)
+        generated = metric(text, "vllm:generation_tokens_total")
+        time.sleep(2)
+        assert metric(httpx.get(s.url + "/metrics", timeout=30).text, "vllm:generation_tokens_total") == generated
+        # and it serves again
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200 and httpx.get(s.url + "/health").status_code == 200
+
+
 def test_start_up_error_says_cannot_start():
     with pytest.raises(RuntimeError) as e:  # a KV budget too small for one request of max_model_len
         RemoteServer(["--dtype", "float32", "--kv-cache-memory-bytes", "1M", "--max-model-len", "1024"])
