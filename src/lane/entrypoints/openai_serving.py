@@ -106,7 +106,7 @@ async def until_disconnected(raw_request: Request, work: Awaitable):
 
 
 def trace_chunk(request_id: str, start: float, index: int, choices: int) -> None:
-    """Step 39 (the first SSE chunk with text) or 50 (a later delta)."""
+    """Step 39 (the first SSE chunk with tokens, its text possibly empty) or 50 (a later delta)."""
     if tracer.enabled:
         tracer.record(39 if index == 0 else 50, start, time.monotonic(), [request_id], chunk=index,
                       choices=choices)
