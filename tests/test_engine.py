@@ -106,3 +106,17 @@ def test_model_length_limit(smollm_gguf):
         llm.generate({"prompt_token_ids": tok.encode(PROMPTS[3])[:41]}, use_tqdm=False)
     # the failed request left nothing behind
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_one_bad_prompt_in_a_batch_queues_nothing(lane_smollm_fp32):
+    """Every prompt is validated before any is added: a bad one leaves no request behind
+    for a later call to compute and never return."""
+    llm = lane_smollm_fp32
+    too_long = {"prompt_token_ids": [1] * (llm.config.model_config.max_model_len + 1)}
+    with pytest.raises(ValueError, match="maximum model length"):
+        llm.generate(["Once upon a time", "The sea", too_long], GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    assert not llm.output_processor.has_unfinished()
+    with pytest.raises(TypeError):
+        llm.generate(["Once upon a time", 42], GREEDY, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests() and not llm.output_processor.has_unfinished()

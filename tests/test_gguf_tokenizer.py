@@ -315,3 +315,69 @@ def test_dequant_kernel_is_the_reference_rounded_once(weights, qtype, dtype):
     out = cpu_kernels.dequant_ggml(np.ascontiguousarray(data).view(np.uint8), qtype.name, dtype)
     assert out.dtype == dtype
     assert torch.equal(out, ref.to(dtype))
+
+
+# -- SentencePiece-style (Metaspace) tokenizers: the first output token's space --------
+
+METASPACE_CORPUS = [
+    "The capital of France is Paris and the capital of Italy is Rome.",
+    "Once upon a time there was a fox who lived in a forest near the river.",
+    "Hello world, goodbye world. The quick brown fox jumps over the lazy dog.",
+    "In the morning the sun rises over the hills and the birds begin to sing.",
+]
+
+
+@pytest.fixture(scope="module")
+def metaspace_model(tmp_path_factory):
+    """A tiny random Llama with a SentencePiece-style tokenizer (Metaspace, as Llama 2, Mistral
+    and many GGUFs have): a word's leading space lives in its token ("▁Paris") and the decoder
+    drops it at the start of a text, so decoding output tokens alone loses it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from conftest import make_tiny_checkpoint
+
+    tk = Tokenizer(models.BPE(unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    tk.decoder = decoders.Metaspace(prepend_scheme="first")
+    tk.train_from_iterator(METASPACE_CORPUS * 10, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"]))
+    tk.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    path = make_tiny_checkpoint("llama", tmp_path_factory.mktemp("metaspace"), tok, vocab_size=len(tok))
+    return path, tok
+
+
+def test_metaspace_first_token_keeps_its_space(metaspace_model):
+    """Output text, offline and served, streamed or not, with echo, is what decoding
+    prompt + output gives after the prompt's own text (vLLM primes its decoder so)."""
+    from lane import LLM, SamplingParams
+    from utils import RemoteServer
+
+    path, tok = metaspace_model
+    prompts = ["The capital of France is", "Once upon a time there was", "Hello world, the quick brown",
+               "In the morning the sun"]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    llm = LLM(path, dtype="float32", kv_cache_memory_bytes=16 << 20, max_model_len=512, show_progress=False)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    wants = []
+    for prompt, out in zip(prompts, outs):
+        ids, gen = out.prompt_token_ids, out.outputs[0].token_ids
+        assert tok.decode(ids, skip_special_tokens=True) == prompt
+        want = tok.decode(ids + gen, skip_special_tokens=True)[len(prompt):]
+        assert out.outputs[0].text == want
+        assert "".join(llm.stream(prompt, params)) == want
+        wants.append(want)
+    # the case at stake occurred: some output starts with a "▁word" token
+    assert any(tok.convert_ids_to_tokens(o.outputs[0].token_ids[0]).startswith("▁") for o in outs)
+    del llm
+    with RemoteServer([path, "--dtype", "float32", "--kv-cache-memory-bytes", "16M", "--max-model-len", "512"]) as s:
+        c = s.client()
+        model = c.models.list().data[0].id
+        for prompt, want in zip(prompts, wants):
+            kw = dict(model=model, prompt=prompt, max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
+            assert c.completions.create(**kw).choices[0].text == want
+            assert c.completions.create(**kw, echo=True).choices[0].text == prompt + want
+            streamed = "".join(ch.choices[0].text for ch in c.completions.create(**kw, echo=True, stream=True)
+                               if ch.choices)
+            assert streamed == prompt + want

@@ -95,6 +95,7 @@ def test_sampler_draws_from_the_distribution():
     (dict(top_k=-3), "top_k"), (dict(n=0), "n"), (dict(max_tokens=0), "max_tokens"),
     (dict(logprobs=21), "logprobs"), (dict(min_p=2.0), "min_p"),
     (dict(presence_penalty=3.0), "presence_penalty"), (dict(repetition_penalty=0.0), "repetition_penalty"),
+    (dict(seed=2**64), "seed"),  # torch's generators take 64-bit seeds: the engine would crash on it
 ])
 def test_invalid_sampling_params(kw, field):
     with pytest.raises(ValueError, match=field):
@@ -120,3 +121,35 @@ def test_unknown_architecture(tmp_path, smollm_tokenizer):
     (tmp_path / "m" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=r"FooBarForCausalLM.*not supported.*LlamaForCausalLM"):
         LLM(d, dtype="float32", kv_cache_memory_bytes=16 << 20, show_progress=False)
+
+
+def test_min_tokens_masks_eos_and_stop_tokens_and_delays_stop_strings(lane_smollm_fp32):
+    """vLLM's min_tokens: EOS and stop_token_ids cannot be sampled before min_tokens
+    tokens exist, and stop strings only count after them."""
+    llm = lane_smollm_fp32
+    eos = llm.get_tokenizer().eos_token_id
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    natural = llm.chat(chat, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0].outputs[0]
+    assert natural.token_ids[-1] == eos and len(natural.token_ids) < 20  # greedy ends early, on EOS
+    held = llm.chat(chat, SamplingParams(temperature=0, max_tokens=40, min_tokens=20), use_tqdm=False)[0].outputs[0]
+    assert eos not in held.token_ids[:20]
+    assert held.token_ids[:len(natural.token_ids) - 1] == natural.token_ids[:-1]
+    assert len(held.token_ids) >= 20
+    # a stop token id: masked, not merely ignored, before min_tokens
+    paris = natural.token_ids[5]
+    st = llm.chat(chat, SamplingParams(temperature=0, max_tokens=40, min_tokens=8, stop_token_ids=[paris]),
+                  use_tqdm=False)[0].outputs[0]
+    assert paris not in st.token_ids[:8] and len(st.token_ids) >= 8
+    # a stop string inside the first min_tokens tokens does not stop the request
+    base = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=30),
+                        use_tqdm=False)[0].outputs[0]
+    assert "Haven" in llm.get_tokenizer().decode(base.token_ids[:10])
+    late = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=30, min_tokens=10, stop="Haven"),
+                        use_tqdm=False)[0].outputs[0]
+    assert late.text == base.text and late.finish_reason == "length"
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_refused(lane_smollm_fp32):
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        lane_smollm_fp32.generate("Hi", SamplingParams(min_tokens=2, stop_token_ids=[10**6]), use_tqdm=False)
+    assert not lane_smollm_fp32.engine.has_unfinished_requests()

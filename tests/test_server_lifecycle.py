@@ -1,6 +1,7 @@
 """`lane serve` with two data-parallel replicas and an API key; an engine that dies;
 SIGTERM."""
 import asyncio
+import json
 import os
 import signal
 import time
@@ -91,6 +92,115 @@ def test_sigterm_stops_server_and_engines():
             while _alive(pid) and time.monotonic() < deadline:
                 time.sleep(0.1)
             assert not _alive(pid)
+
+
+def test_runtime_error_while_serving_fails_requests_and_health():
+    """An engine that fails mid-run (a fault injected at its 60th step): the log says runtime
+    error, with the traceback, not "cannot start"; a request in flight gets a 500 body, a
+    stream an error event; /health turns 503."""
+    import threading
+
+    with RemoteServer(ARGS, env={"LANE_FAULT_INJECT": "step:60"}) as s:
+        body = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True}
+        plain: list[httpx.Response] = []
+        waiter = threading.Thread(target=lambda: plain.append(
+            httpx.post(s.url + "/v1/completions", json=body, timeout=60)))
+        waiter.start()
+        deadline = time.monotonic() + 30
+        while _num_running(s) < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        events = []
+        with httpx.stream("POST", s.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            assert r.status_code == 200
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+        waiter.join(60)
+        assert plain[0].status_code == 500
+        err = plain[0].json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["code"] == 500
+        assert err["type"] == "InternalServerError" and "Traceback" not in err["message"]
+        assert events[-1] == "data: [DONE]" and '"text"' in events[0]  # some text came, then the error
+        assert json.loads(events[-2][6:])["error"]["code"] == 500
+        deadline = time.monotonic() + 10
+        while httpx.get(s.url + "/health", timeout=30).status_code != 503:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        log = s.read_log()
+        assert "runtime error" in log and "fault injected at step 60" in log
+        assert "Traceback" in log and "cannot start" not in log
+
+
+def test_engine_not_taking_requests_gives_503_and_aborts_the_prompts_sent():
+    """An engine whose input queue is full (stopped with SIGSTOP here, so ZeroMQ's high-water
+    mark fills and a send fails with zmq.Again): a completion of many prompts gets an
+    OpenAI-style 503, and its prompts already sent are aborted, not computed for nobody."""
+    with RemoteServer(ARGS) as s:
+        (pid,) = s.engine_pids()
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            r = httpx.post(s.url + "/v1/completions", timeout=60, json={
+                "prompt": [[1, 2, 3, 4]] * 4000, "max_tokens": 200, "ignore_eos": True})
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert r.status_code == 503, r.text[:300]
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"}
+        assert err["type"] == "ServiceUnavailableError" and err["code"] == 503
+        # the engine got the prompts sent before the failure, and their aborts: soon it is idle
+        # (1000+ requests of 200 tokens would keep it busy for many minutes)
+        time.sleep(2)  # it runs again, and has reported what it holds
+        deadline = time.monotonic() + 30
+        while True:
+            text = httpx.get(s.url + "/metrics", timeout=30).text
+            reported = "vllm:num_requests_waiting{" in text  # the engine's stats have arrived
+            busy = metric(text, "vllm:num_requests_running") + metric(text, "vllm:num_requests_waiting") \
+                if reported else None
+            if busy == 0:
+                break
+            assert time.monotonic() < deadline, f"{busy} requests still in the engine"
+            time.sleep(0.5)
+        generated = metric(text, "vllm:generation_tokens_total")
+        time.sleep(2)
+        assert metric(httpx.get(s.url + "/metrics", timeout=30).text, "vllm:generation_tokens_total") == generated
+        # and it serves again
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200 and httpx.get(s.url + "/health").status_code == 200
+
+
+def test_start_up_error_says_cannot_start():
+    with pytest.raises(RuntimeError) as e:  # a KV budget too small for one request of max_model_len
+        RemoteServer(["--dtype", "float32", "--kv-cache-memory-bytes", "1M", "--max-model-len", "1024"])
+    assert "Engine core 0 cannot start: KV cache budget" in str(e.value)
+    assert "runtime error" not in str(e.value)
+
+
+@pytest.mark.parametrize("busy", [False, True], ids=["idle", "busy"])
+def test_engine_exits_when_the_api_server_is_killed(busy):
+    """An API server that dies without a word (SIGKILL, OOM) must not leave its engine
+    holding the model and the KV pool: the engine exits within 10 s, idle or mid-stream."""
+    with RemoteServer(ARGS) as s:
+        (pid,) = s.engine_pids()
+        if busy:
+            c = s.client(timeout=30)
+            stream = c.completions.create(model=c.models.list().data[0].id, prompt="Once upon a time",
+                                          max_tokens=900, extra_body={"ignore_eos": True}, stream=True)
+            next(iter(stream))  # the engine is generating, and sending outputs
+        s.proc.kill()
+        s.proc.wait(5)
+        deadline = time.monotonic() + 10
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        orphaned = _alive(pid)
+        if orphaned:
+            os.kill(pid, signal.SIGKILL)  # leave no engine behind, whatever the outcome
+        assert not orphaned, "the engine outlived its API server by 10 s"
+        assert f"API server (pid {s.proc.pid}) is gone; engine core 0 exits" in s.read_log()
+
+
+def _num_running(s: RemoteServer) -> float:
+    text = httpx.get(s.url + "/metrics", timeout=30).text
+    # the gauge has no sample until the engine's first stats arrive
+    return metric(text, "vllm:num_requests_running") if "vllm:num_requests_running{" in text else 0.0
 
 
 def _alive(pid: int) -> bool:

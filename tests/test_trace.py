@@ -13,6 +13,7 @@ from utils import RemoteServer
 
 LANE = [sys.executable, "-m", "lane.entrypoints.cli"]
 BUDGET = 256
+EOS_AT_ONCE = "Tell me a short story about a fox."
 PROMPT = "The history of computing is long and full of surprises; machines grew from gears to chips. " * 30
 
 
@@ -30,6 +31,10 @@ def traces(tmp_path_factory):
                                capture_output=True, text=True, timeout=300)
             assert r.returncode == 0, r.stderr
             runs.append(json.loads((out / name / "trace.json").read_text()))
+        # greedy SmolLM2 answers this one with EOS at once: a first chunk with no text
+        r = subprocess.run([*LANE, "trace", EOS_AT_ONCE, "--base-url", s.url, "--output-dir", str(out / "eos")],
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
         prompt_tokens = httpx.post(s.url + "/tokenize", json={"prompt": PROMPT}).json()["count"]
         missing = httpx.get(s.url + "/v1/traces/cmpl-nope")
         assert missing.status_code == 404 and missing.json()["error"]["type"] == "NotFoundError"
@@ -72,6 +77,16 @@ def test_trace_holds_every_step_in_order(traces):
     # prefix hits: none the first time, whole blocks the second
     assert events(first, 16)[0]["args"]["hit_tokens"] == 0
     assert events(second, 16)[0]["args"]["hit_tokens"] >= BUDGET
+
+
+def test_first_token_received_even_when_it_ends_the_request(traces):
+    """A request whose first token is EOS still has its "first token received" (step 40),
+    after the server's first chunk (39): the picture's TTFT needs it."""
+    _, _, out = traces
+    trace = json.loads((out / "eos" / "trace.json").read_text())
+    assert events(trace, 51)[0]["args"]["output_tokens"] == 1 and not events(trace, 43)
+    (first_chunk,), (received,) = events(trace, 39), events(trace, 40)
+    assert received["ts"] >= end(first_chunk) and received["args"]["ttft_ms"] > 0
 
 
 def test_processes_share_one_time_axis(traces):

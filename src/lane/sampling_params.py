@@ -70,8 +70,9 @@ class SamplingParams:
             raise bad("min_tokens", "must be in [0, max_tokens]", self.min_tokens)
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise bad("logprobs", f"must be in [0, {MAX_LOGPROBS}]", self.logprobs)
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", "must be an integer", self.seed)
+        if self.seed is not None and (not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**63):
+            # vLLM's range; torch's generators take no wider seed, and would fail in the engine
+            raise bad("seed", "must be a 64-bit signed integer", self.seed)
         if any(not s for s in self.stop):
             raise bad("stop", "must not contain empty strings", self.stop)
 
@@ -88,5 +89,6 @@ class SamplingParams:
         """Params of the index-th of n samples: one sample each, distinct seeds."""
         from dataclasses import replace
 
-        seed = None if self.seed is None else self.seed + index
+        # distinct seeds, wrapped to stay 64-bit signed
+        seed = None if self.seed is None else (self.seed + index + 2**63) % 2**64 - 2**63
         return replace(self, n=1, seed=seed)

@@ -177,7 +177,6 @@ class EngineCoreProc:
         import zmq
 
         self.engine_index = engine_index
-        self.parent_pid = os.getppid()
         self.ctx = zmq.Context()
         self.output_socket = self.ctx.socket(zmq.PUSH)
         self.output_socket.connect(output_address)
@@ -197,6 +196,12 @@ class EngineCoreProc:
             tracer.drain() if tracer.enabled else None,
             skipped_steps(config.model_config.hf_config) if tracer.enabled else None))
         self._last_stats: SchedulerStats | None = None
+        # Fault injection, for tests only: LANE_FAULT_INJECT=step:N makes this process's N-th
+        # step raise (a ValueError, the kind a bad configuration also raises at start-up), so
+        # the handling of a runtime error while serving is tested on a real server.
+        fault = os.environ.get("LANE_FAULT_INJECT", "")
+        self._fail_at_step = int(fault.removeprefix("step:")) if fault.startswith("step:") else 0
+        self._num_steps = 0
 
     def _read_inputs(self, address: str) -> None:
         import zmq
@@ -227,18 +232,13 @@ class EngineCoreProc:
 
     def run_busy_loop(self) -> None:
         while True:
-            if not self.core.has_unfinished_requests():
-                # idle: block on the queue, waking now and then to see whether the frontend is gone
-                while True:
-                    try:
-                        self._handle(*self.input_queue.get(timeout=1.0))
-                        break
-                    except queue.Empty:
-                        if os.getppid() != self.parent_pid:
-                            logger.info("Frontend is gone; engine core %d exits", self.engine_index)
-                            return
+            if not self.core.has_unfinished_requests():  # idle: block on the queue
+                self._handle(*self.input_queue.get())
             while not self.input_queue.empty():
                 self._handle(*self.input_queue.get_nowait())
+            self._num_steps += 1
+            if self._num_steps == self._fail_at_step:
+                raise ValueError(f"fault injected at step {self._num_steps} (LANE_FAULT_INJECT)")
             outputs = self.core.step()
             stats = self.core.scheduler.make_stats()
             if outputs or stats != self._last_stats:
@@ -254,22 +254,44 @@ class EngineCoreProc:
                 self._send(EngineCoreOutputType.SPANS, tracer.drain())
 
 
+def watch_parent(parent_pid: int, engine_index: int, interval_s: float = 0.5) -> None:
+    """End this process (os._exit: no clean-up that could block) once the API server that
+    spawned it is gone without stopping it (SIGKILL, OOM). Nobody would read its outputs, a
+    send into a socket without a peer blocks forever, and the model and KV pool stay held.
+    A daemon thread, so it acts whatever the main thread is in: idle, a forward, a send."""
+    def watch() -> None:
+        while os.getppid() == parent_pid:  # an orphan is re-parented: its parent pid changes
+            time.sleep(interval_s)
+        logger.warning("API server (pid %d) is gone; engine core %d exits", parent_pid, engine_index)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="ParentWatch").start()
+
+
 def run_engine_core(args, engine_index: int, input_address: str, output_address: str,
                     cpu_ids: list[int] | None = None) -> None:
     """Entry point of an engine-core process (spawned by the frontend's core client)."""
     configure_process_logging(f"EngineCore_DP{engine_index}")
+    watch_parent(os.getppid(), engine_index)  # from the start: loading can take long too
     # SIGTERM (from the frontend's shutdown or a user) ends the loop through SystemExit
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the frontend, which stops us
     if cpu_ids:
         os.sched_setaffinity(0, cpu_ids)
     try:
-        EngineCoreProc(args, engine_index, input_address, output_address).run_busy_loop()
+        proc = EngineCoreProc(args, engine_index, input_address, output_address)
     except SystemExit:
-        pass
+        return
     except (ValueError, FileNotFoundError) as e:  # a configuration the engine cannot run
         logger.error("Engine core %d cannot start: %s", engine_index, e)
         sys.exit(1)
     except BaseException:
-        logger.exception("Engine core %d died", engine_index)
+        logger.exception("Engine core %d cannot start", engine_index)
+        sys.exit(1)
+    try:
+        proc.run_busy_loop()
+    except SystemExit:
+        pass
+    except BaseException:  # the frontend's watchdog sees the exit: its requests fail, /health 503
+        logger.exception("Engine core %d stopped on a runtime error while serving", engine_index)
         sys.exit(1)

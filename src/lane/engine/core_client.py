@@ -35,6 +35,10 @@ class EngineDeadError(RuntimeError):
     """An engine-core process is gone; its requests cannot finish."""
 
 
+class EngineBusyError(RuntimeError):
+    """An engine's input queue is full (ZeroMQ's high-water mark): it takes nothing more now."""
+
+
 def split_cpus(num_engines: int) -> list[list[int] | None]:
     """Disjoint CPU sets per replica, so data-parallel engines do not fight over cores."""
     if num_engines == 1:
@@ -68,6 +72,7 @@ class AsyncMPClient:
         self._encoder = msgspec.msgpack.Encoder()
         self._tasks: list[asyncio.Task] = []
         self._closed = False
+        self._pending_aborts: dict[int, list[str]] = {}  # engine index -> ids not yet sent
 
     # -- start-up --------------------------------------------------------------
     async def start(self, timeout_s: float = 600.0) -> None:
@@ -150,6 +155,8 @@ class AsyncMPClient:
     async def _watchdog(self) -> None:
         while True:
             await asyncio.sleep(0.5)
+            for i in list(self._pending_aborts):
+                self._flush_aborts(i)
             for i, proc in enumerate(self.procs):
                 if i not in self.dead and proc.exitcode is not None:
                     self.dead[i] = proc.exitcode
@@ -163,15 +170,31 @@ class AsyncMPClient:
     def _send(self, engine_index: int, kind: EngineCoreRequestType, payload) -> None:
         if engine_index in self.dead:
             raise EngineDeadError(f"engine core {engine_index} is not running")
-        self.input_sockets[engine_index].send_multipart((kind.value, self._encoder.encode(payload)),
-                                                        flags=zmq.NOBLOCK)
+        try:  # never blocks the event loop: a full queue is an error the caller reports
+            self.input_sockets[engine_index].send_multipart((kind.value, self._encoder.encode(payload)),
+                                                            flags=zmq.NOBLOCK)
+        except zmq.Again:
+            raise EngineBusyError(f"engine core {engine_index} takes no requests now: its input queue "
+                                  f"is full") from None
 
     def add_request(self, engine_index: int, request: EngineCoreRequest) -> None:
         self._send(engine_index, EngineCoreRequestType.ADD, request)
 
     def abort_requests(self, engine_index: int, request_ids: list[str]) -> None:
+        """Aborts must reach the engine, or it computes the requests for nobody: ids that
+        cannot go now (a full queue) are kept, and sent after those adds by the watchdog."""
         if request_ids and engine_index not in self.dead:
-            self._send(engine_index, EngineCoreRequestType.ABORT, request_ids)
+            self._pending_aborts.setdefault(engine_index, []).extend(request_ids)
+            self._flush_aborts(engine_index)
+
+    def _flush_aborts(self, engine_index: int) -> None:
+        ids = self._pending_aborts.pop(engine_index, [])
+        if not ids or engine_index in self.dead:
+            return
+        try:
+            self._send(engine_index, EngineCoreRequestType.ABORT, ids)
+        except EngineBusyError:
+            self._pending_aborts[engine_index] = ids
 
     @property
     def all_alive(self) -> bool:

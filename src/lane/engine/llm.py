@@ -42,9 +42,17 @@ class LLM:
         return self.tokenizer
 
     # -- requests -------------------------------------------------------------
-    def _add_request(self, prompt: PromptType, params: SamplingParams, stream: bool = False) -> str:
+    def _process(self, prompt: PromptType, params: SamplingParams) -> tuple[str | None, list[int]]:
+        """Tokenise and validate a prompt (raises on one the engine cannot serve)."""
         text, ids = self.processor.tokenize(prompt)
         self.processor.validate(ids, params)
+        return text, ids
+
+    def _add_request(self, prompt: PromptType, params: SamplingParams, stream: bool = False) -> str:
+        return self._add_processed(*self._process(prompt, params), params, stream)
+
+    def _add_processed(self, text: str | None, ids: list[int], params: SamplingParams,
+                       stream: bool = False) -> str:
         rid = str(next(self._ids))
         for cid, cp in self.output_processor.add_request(rid, text, ids, params, stream):
             self.engine.add_request(EngineCoreRequest(cid, ids, cp))
@@ -67,7 +75,9 @@ class LLM:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        order = [self._add_request(p, sp) for p, sp in zip(prompts, params)]
+        # all validated before any is queued: a bad prompt must leave nothing in the engine
+        processed = [self._process(p, sp) for p, sp in zip(prompts, params)]
+        order = [self._add_processed(text, ids, sp) for (text, ids), sp in zip(processed, params)]
         results: dict[str, RequestOutput] = {}
         with tqdm(total=len(order), desc="Processed prompts", unit="req",
                   disable=not use_tqdm or not self.config.show_progress) as bar:

@@ -57,7 +57,7 @@ class OutputProcessor:
             cid = request_id if params.n == 1 else f"{i}_{request_id}"
             cp = params.for_child(i) if params.n > 1 else params
             detok = IncrementalDetokenizer(self.tokenizer, cp.stop, cp.skip_special_tokens,
-                                           cp.include_stop_str_in_output)
+                                           cp.include_stop_str_in_output, cp.min_tokens, prompt_token_ids)
             children[cid] = ChildState(
                 i, cp, detok, logprobs=[] if cp.logprobs is not None else None,
                 cumulative_logprob=0.0 if cp.logprobs is not None else None,

@@ -12,6 +12,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from lane.engine.async_llm import AsyncLLM, RequestStream
+from lane.engine.core_client import EngineBusyError, EngineDeadError
 from lane.entrypoints.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                        ChatCompletionResponse, ChatLogprobs, ChatLogprobToken,
                                        ChatResponseMessage, CompletionChoice,
@@ -105,7 +106,7 @@ async def until_disconnected(raw_request: Request, work: Awaitable):
 
 
 def trace_chunk(request_id: str, start: float, index: int, choices: int) -> None:
-    """Step 39 (the first SSE chunk with text) or 50 (a later delta)."""
+    """Step 39 (the first SSE chunk with tokens, its text possibly empty) or 50 (a later delta)."""
     if tracer.enabled:
         tracer.record(39 if index == 0 else 50, start, time.monotonic(), [request_id], chunk=index,
                       choices=choices)
@@ -145,7 +146,9 @@ class OpenAIServing:
             for sub_id, (text, ids), sp in zip(sub_ids, prompts, params):
                 handles.append(self.engine.add_request(sub_id, text, ids, sp, request.stream,
                                                        request.data_parallel_rank))
-        except (ValueError, RuntimeError) as e:  # a bad pinned rank; no engine running (EngineDeadError)
+        # a bad pinned rank; an engine not running, or whose input queue is full: the prompts
+        # already sent are aborted, so no part of a failed request runs
+        except (ValueError, EngineDeadError, EngineBusyError) as e:
             for h in handles:
                 self.engine.abort(h.request_id)
             if isinstance(e, ValueError):

@@ -14,6 +14,16 @@ from lane.tracing import Span, span_dict
 from lane.tracing.export import chrome_trace, html_page
 
 
+def carries_token(chunk: dict, endpoint: str) -> bool:
+    """Whether an SSE chunk brings generated tokens (step 40 is the first such): its text
+    may be empty (a first token that is EOS, text held back), but a chat stream's opening
+    role-only chunk, sent before any token, does not count."""
+    choices = chunk.get("choices") or []  # none: the usage or timing chunk
+    if not choices or endpoint != "chat":
+        return bool(choices)
+    return bool(chunk_text(chunk, endpoint)) or choices[0].get("finish_reason") is not None
+
+
 def send_traced_request(base_url: str, model: str, prompt: str, max_tokens: int, chat: bool,
                         headers: dict) -> tuple[str, list[dict]]:
     """Stream one request; returns (its id, the client's spans 10 and 40)."""
@@ -33,7 +43,7 @@ def send_traced_request(base_url: str, model: str, prompt: str, max_tokens: int,
             if "error" in chunk:
                 raise RuntimeError(f"the request failed: {chunk['error']}")
             rid = rid or chunk.get("id")
-            if chunk_text(chunk, endpoint) and first is None:
+            if first is None and carries_token(chunk, endpoint):
                 first = time.monotonic()
     if rid is None:
         raise RuntimeError("the response carried no request id")

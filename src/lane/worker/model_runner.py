@@ -32,8 +32,9 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
 
 class ModelRunner:
     def __init__(self, model: nn.Module, block_size: int, dtype: torch.dtype,
-                 device: torch.device, max_num_seqs: int = 128) -> None:
+                 device: torch.device, max_num_seqs: int = 128, eos_token_ids: list[int] | None = None) -> None:
         self.model = model
+        self.eos_token_ids = list(eos_token_ids or [])  # masked, with stop_token_ids, before min_tokens
         self.block_size = block_size
         self.dtype = dtype
         self.device = device
@@ -152,6 +153,12 @@ class ModelRunner:
                 md.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
             md.generators = {i: s.request.generator for i, s in enumerate(sampling)
                              if s.request.generator is not None}
+        for i, s in enumerate(sampling):
+            p = s.request.sampling_params
+            if s.request.num_output_tokens < p.min_tokens:
+                stops = p.stop_token_ids + ([] if p.ignore_eos else self.eos_token_ids)
+                if stops:
+                    md.masked_token_ids[i] = stops
         if any(p.uses_penalties for p in params):
             md.presence_penalty = torch.tensor([p.presence_penalty for p in params])
             md.frequency_penalty = torch.tensor([p.frequency_penalty for p in params])

@@ -42,7 +42,7 @@ class Worker:
             cpu_kernels.build()
         self.num_packed = prepack_linears(self.model)
         self.runner = ModelRunner(self.model, config.cache_config.block_size, mc.dtype, mc.device_type,
-                                  config.scheduler_config.max_num_seqs)
+                                  config.scheduler_config.max_num_seqs, mc.eos_token_ids)
 
     def determine_num_blocks(self) -> KVPoolPlan:
         """Step 8: blocks that fit the KV budget (one of them the null block); a model

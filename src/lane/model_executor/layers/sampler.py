@@ -1,5 +1,5 @@
-"""The sampler (seed step 34): penalties, temperature, top-k / top-p / min-p,
-per-request seeded generators, and logprobs with top-N alternatives.
+"""The sampler (seed step 34): penalties, min_tokens' stop-token mask, temperature,
+top-k / top-p / min-p, per-request seeded generators, and logprobs with top-N alternatives.
 
 Logprobs are those of the raw model distribution (vLLM's default
 ``raw_logprobs``), taken before penalties and temperature.
@@ -28,6 +28,9 @@ class SamplingMetadata:
     prompt_token_ids: list[list[int]] | None = None
     output_token_ids: list[list[int]] | None = None
     num_logprobs: list[int | None] = field(default_factory=list)  # per row; None = not asked
+    # row -> token ids it must not sample: its stop tokens (EOS, stop_token_ids) while it has
+    # fewer than min_tokens outputs
+    masked_token_ids: dict[int, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -91,6 +94,8 @@ def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
     if md.repetition_penalty is not None or md.frequency_penalty is not None \
             or md.presence_penalty is not None:
         logits = apply_penalties(logits, md)
+    for row, ids in md.masked_token_ids.items():
+        logits[row, ids] = float("-inf")
     greedy = logits.argmax(dim=-1)
     if md.all_greedy:
         tokens = greedy
