@@ -87,6 +87,7 @@ void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* tables,
         for (int64_t g = 0; g < G; ++g) {
           float* sg = &s[g * BS];
           float mb = m[g];
+#pragma omp simd reduction(max : mb)  // a float max only vectorises as an OpenMP reduction
           for (int64_t t = 0; t < n; ++t) mb = sg[t] > mb ? sg[t] : mb;
           const float c = m[g] == -INFINITY ? 0.f : fast_exp(m[g] - mb);
           float sum = 0.f;
@@ -237,7 +238,8 @@ void decode_bf16_avx512(const bf16* q_, const bf16* kc_, const bf16* vc_, const 
             _mm512_storeu_ps(sg, e);
             sum = _mm512_reduce_add_ps(e);
           } else {
-            for (int64_t t = 0; t < n; ++t) mb = sg[t] > mb ? sg[t] : mb;
+  #pragma omp simd reduction(max : mb)  // a float max only vectorises as an OpenMP reduction
+          for (int64_t t = 0; t < n; ++t) mb = sg[t] > mb ? sg[t] : mb;
             for (int64_t t = 0; t < n; ++t) { sg[t] = fast_exp(sg[t] - mb); sum += sg[t]; }
           }
           const float c = m[g] == -INFINITY ? 0.f : fast_exp(m[g] - mb);
