@@ -20,7 +20,7 @@ from lane.config import EngineArgs
 from lane.engine.async_llm import AsyncLLM
 from lane.entrypoints.openai_serving import APIError, OpenAIServing, bad_request, error_body
 from lane.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                       ModelCard, ModelList, TokenizeRequest)
+                                       ErrorResponse, ModelCard, ModelList, TokenizeRequest)
 from lane.sampling_params import ParamError
 from lane.tracing import tracer
 
@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 HTTP_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                     405: "MethodNotAllowedError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
-PUBLIC_PATHS = ("/health", "/metrics", "/version")
+PUBLIC_PATHS = ("/health", "/metrics", "/version", "/openapi.json")
 
 
 def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -48,8 +48,33 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return msg, param
 
 
+# what /openapi.json says of errors: every one is an OpenAI-style body
+ERROR_RESPONSES = {"4XX": {"model": ErrorResponse, "description": "A request the server will not serve"},
+                   "5XX": {"model": ErrorResponse, "description": "An engine failed, is down or overloaded"}}
+
+
+def document_errors(app: FastAPI) -> None:
+    """/openapi.json without FastAPI's 422 responses: validation errors are 400s here."""
+    generate = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = generate()  # cached on the app: edited once, in place
+            for operations in schema["paths"].values():
+                for operation in operations.values():
+                    operation.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
 def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | None = None) -> FastAPI:
-    app = FastAPI(title="lane", version=lane.__version__, openapi_url=None, docs_url=None, redoc_url=None)
+    # no /docs pages (they load scripts from a CDN); /openapi.json describes the routes
+    app = FastAPI(title="lane", version=lane.__version__, openapi_url="/openapi.json", docs_url=None,
+                  redoc_url=None, responses=ERROR_RESPONSES)
+    document_errors(app)
     serving = OpenAIServing(engine, served_model_names)
 
     @app.exception_handler(RequestValidationError)
