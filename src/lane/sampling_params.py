@@ -1,6 +1,7 @@
 """SamplingParams, with vLLM's names and limits."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 MAX_LOGPROBS = 20
@@ -50,6 +51,12 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "must be at least 1", self.n)
+        # NaN passes every range check below (all comparisons are false), and JSON
+        # bodies may carry NaN and Infinity
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise bad(name, "must be a finite number", getattr(self, name))
         if self.temperature < 0:
             raise bad("temperature", "must be non-negative", self.temperature)
         if not 0.0 < self.top_p <= 1.0:
