@@ -51,6 +51,7 @@ class InputProcessor:
             raise ParamError("prompt", f"the prompt has {n} tokens, longer than the maximum "
                                        f"model length of {self.max_model_len}")
         self.check_token_ids(prompt_token_ids, "prompt")
+        self.check_token_ids(params.stop_token_ids, "stop_token_ids")
         if strict_max_tokens and params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
             raise ParamError("max_tokens", (
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you "
