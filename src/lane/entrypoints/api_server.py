@@ -189,9 +189,10 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
 
 async def serve(args: EngineArgs, host: str, port: int, data_parallel_size: int = 1,
                 served_model_name: list[str] | None = None, api_key: str | None = None,
-                uvicorn_log_level: str = "warning", trace_max_requests: int = 100) -> None:
+                uvicorn_log_level: str = "warning", trace_max_requests: int = 100,
+                max_num_waiting_requests: int | None = None) -> None:
     engine = AsyncLLM(args, data_parallel_size, served_model_name[0] if served_model_name else None,
-                      trace_max_requests=trace_max_requests)
+                      trace_max_requests=trace_max_requests, max_num_waiting_requests=max_num_waiting_requests)
     names = served_model_name or [engine.served_model_name]
     try:
         await engine.start()
