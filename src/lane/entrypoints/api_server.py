@@ -19,8 +19,8 @@ import lane
 from lane.config import EngineArgs
 from lane.engine.async_llm import AsyncLLM
 from lane.entrypoints.openai_serving import APIError, OpenAIServing, bad_request, error_body
-from lane.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                       ErrorResponse, ModelCard, ModelList, TokenizeRequest)
+from lane.entrypoints.protocol import (TOKEN_ID_MARK, ChatCompletionRequest, CompletionRequest,
+                                       DetokenizeRequest, ErrorResponse, ModelCard, ModelList, TokenizeRequest)
 from lane.sampling_params import ParamError
 from lane.tracing import tracer
 
@@ -53,9 +53,20 @@ ERROR_RESPONSES = {"4XX": {"model": ErrorResponse, "description": "A request the
                    "5XX": {"model": ErrorResponse, "description": "An engine failed, is down or overloaded"}}
 
 
-def document_errors(app: FastAPI) -> None:
-    """/openapi.json without FastAPI's 422 responses: validation errors are 400s here."""
+def document_schema(app: FastAPI, vocab_size: int) -> None:
+    """/openapi.json as this server answers: no FastAPI 422 responses (validation errors
+    are 400s here), token ids within this model's vocabulary."""
     generate = app.openapi
+
+    def bound_token_ids(node) -> None:
+        if isinstance(node, dict):
+            if node.pop(TOKEN_ID_MARK, False):
+                node.update(minimum=0, maximum=vocab_size - 1)
+            for value in node.values():
+                bound_token_ids(value)
+        elif isinstance(node, list):
+            for value in node:
+                bound_token_ids(value)
 
     def openapi() -> dict:
         if app.openapi_schema is None:
@@ -65,6 +76,7 @@ def document_errors(app: FastAPI) -> None:
                     operation.get("responses", {}).pop("422", None)
             for name in ("HTTPValidationError", "ValidationError"):
                 schema.get("components", {}).get("schemas", {}).pop(name, None)
+            bound_token_ids(schema)
         return app.openapi_schema
 
     app.openapi = openapi
@@ -74,7 +86,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     # no /docs pages (they load scripts from a CDN); /openapi.json describes the routes
     app = FastAPI(title="lane", version=lane.__version__, openapi_url="/openapi.json", docs_url=None,
                   redoc_url=None, responses=ERROR_RESPONSES)
-    document_errors(app)
+    document_schema(app, engine.processor.vocab_size)
     serving = OpenAIServing(engine, served_model_names)
 
     @app.exception_handler(RequestValidationError)
