@@ -235,6 +235,23 @@ def test_overload_is_refused_with_503_and_retry_after(servers):
     assert err["param"] == "n"
 
 
+def test_balancer_sends_only_where_there_is_room():
+    from lane.engine.dp_balancer import DPLoadBalancer, EngineOverloadedError
+
+    b = DPLoadBalancer(2, max_waiting=4)
+    b.update(0, waiting=3, running=0)  # score 12
+    b.update(1, waiting=1, running=20)  # score 24, but room for 3
+    assert b.choose(num_requests=2) == 1  # engine 0 scores lower but cannot take 2
+    assert b.choose() == 0 and b.loads[0].waiting == 4
+    with pytest.raises(EngineOverloadedError) as e:
+        b.choose(num_requests=2)  # 4 and 3 waiting: neither has room for 2
+    assert e.value.engine_index == 0 and e.value.limit == 4
+    with pytest.raises(EngineOverloadedError):
+        b.choose(data_parallel_rank=0)  # a pinned request waits for its own engine only
+    b.release(1, 2)
+    assert b.choose(data_parallel_rank=1, num_requests=3) == 1
+
+
 OPENAI_ROUTES = [("/v1/completions", "POST"), ("/v1/chat/completions", "POST"), ("/v1/models", "GET")]
 
 
