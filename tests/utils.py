@@ -95,3 +95,13 @@ def metric(text: str, name: str, **labels) -> float:
             found = True
     assert found, f"{name}{labels} not in /metrics"
     return total
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process runs (a zombie has exited, though kill(pid, 0) still finds it)."""
+    try:
+        os.kill(pid, 0)
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except (ProcessLookupError, FileNotFoundError):
+        return False

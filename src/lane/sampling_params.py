@@ -1,9 +1,11 @@
 """SamplingParams, with vLLM's names and limits."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 MAX_LOGPROBS = 20
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # what crosses to the engine must fit its int64 tensors
 
 
 class ParamError(ValueError):
@@ -50,12 +52,18 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", "must be at least 1", self.n)
+        # NaN passes every range check below (all comparisons are false), and JSON
+        # bodies may carry NaN and Infinity
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise bad(name, "must be a finite number", getattr(self, name))
         if self.temperature < 0:
             raise bad("temperature", "must be non-negative", self.temperature)
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "must be in (0, 1]", self.top_p)
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise bad("top_k", "must be -1 or 0 (disable), or at least 1", self.top_k)
+        if not isinstance(self.top_k, int) or not 0 <= self.top_k <= INT64_MAX:
+            raise bad("top_k", f"must be -1 or 0 (disable), or in [1, {INT64_MAX}]", self.top_k)
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "must be in [0, 1]", self.min_p)
         if not -2.0 <= self.presence_penalty <= 2.0:
@@ -70,9 +78,8 @@ class SamplingParams:
             raise bad("min_tokens", "must be in [0, max_tokens]", self.min_tokens)
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise bad("logprobs", f"must be in [0, {MAX_LOGPROBS}]", self.logprobs)
-        if self.seed is not None and (not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**63):
-            # vLLM's range; torch's generators take no wider seed, and would fail in the engine
-            raise bad("seed", "must be a 64-bit signed integer", self.seed)
+        if self.seed is not None and (not isinstance(self.seed, int) or not INT64_MIN <= self.seed <= INT64_MAX):
+            raise bad("seed", f"must be an integer in [{INT64_MIN}, {INT64_MAX}]", self.seed)
         if any(not s for s in self.stop):
             raise bad("stop", "must not contain empty strings", self.stop)
 

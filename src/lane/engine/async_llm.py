@@ -15,12 +15,13 @@ from prometheus_client import CollectorRegistry
 from lane.config import EngineArgs
 from lane.engine.core import EngineCoreOutputs, EngineCoreRequest
 from lane.engine.core_client import AsyncMPClient, EngineDeadError
+from lane.engine.dp_balancer import EngineOverloadedError
 from lane.engine.output_processor import OutputProcessor
 from lane.engine.processor import InputProcessor
 from lane.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
 from lane.metrics.stats import IterationStats
 from lane.outputs import RequestOutput
-from lane.sampling_params import SamplingParams
+from lane.sampling_params import ParamError, SamplingParams
 from lane.tracing import Span, TraceStore, tracer
 
 logger = logging.getLogger(__name__)
@@ -44,15 +45,17 @@ class RequestStream:
 
 class AsyncLLM:
     def __init__(self, args: EngineArgs, data_parallel_size: int = 1, served_model_name: str | None = None,
-                 log_stats_interval_s: float = 5.0, trace_max_requests: int = 100) -> None:
+                 log_stats_interval_s: float = 5.0, trace_max_requests: int = 100,
+                 max_num_waiting_requests: int | None = None) -> None:
         self.args = args
+        self.max_num_waiting_requests = max_num_waiting_requests
         self.model_config = args.create_model_config()
         self.served_model_name = served_model_name or default_served_name(args.model, self.model_config)
         self.tokenizer = self.model_config.get_tokenizer()
         self.processor = InputProcessor(self.model_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.client = AsyncMPClient(args, data_parallel_size, self._on_outputs, self._on_engine_dead,
-                                    self._on_spans)
+                                    self._on_spans, max_num_waiting_requests)
         self.registry = CollectorRegistry()
         self.prometheus = PrometheusStatLogger(self.served_model_name, data_parallel_size, self.registry)
         self.log_stats = [LoggingStatLogger(i) for i in range(data_parallel_size)]
@@ -102,17 +105,44 @@ class AsyncLLM:
         return self.client.all_alive
 
     # -- requests --------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, stream: bool, data_parallel_rank: int | None = None
-                    ) -> RequestStream:
-        """Send a validated request to an engine (the balancer's pick, or the pinned rank)."""
+    def route(self, request_ids: list[str], n: int, data_parallel_rank: int | None = None) -> list[int]:
+        """The engine for each prompt of one API request (n samples each), all chosen before
+        any is sent: a request the waiting queues cannot take is refused whole
+        (EngineOverloadedError, counted in the metrics) and never reaches an engine."""
         if not self.is_healthy:
             raise EngineDeadError("an engine core is not running")
+        bound = self.max_num_waiting_requests
+        if bound is not None and len(request_ids) * n > bound:  # it could never be queued
+            raise ParamError("n" if len(request_ids) == 1 else "prompt", (
+                f"this request asks for {len(request_ids) * n} sequences ({len(request_ids)} prompt(s) x "
+                f"n={n}); an engine queues at most {bound} (--max-num-waiting-requests)"))
         t0 = time.monotonic() if tracer.enabled else 0.0
-        engine = self.client.choose_engine(data_parallel_rank, params.n)
+        engines: list[int] = []
+        try:
+            for _ in request_ids:
+                engines.append(self.client.choose_engine(data_parallel_rank, n))
+        except EngineOverloadedError as e:
+            for engine in engines:
+                self.client.balancer.release(engine, n)
+            self.prometheus.record_refused(e.engine_index)
+            logger.debug("Refused request %s: %s", request_ids[0], e)
+            raise
         if tracer.enabled:  # step 13
-            tracer.record(13, t0, time.monotonic(), [request_id], engine=engine, pinned=data_parallel_rank is not None,
-                          scores=[load.score for load in self.client.balancer.loads])
+            now = time.monotonic()
+            for rid, engine in zip(request_ids, engines):
+                tracer.record(13, t0, now, [rid], engine=engine, pinned=data_parallel_rank is not None,
+                              scores=[load.score for load in self.client.balancer.loads])
+        return engines
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams, stream: bool, data_parallel_rank: int | None = None,
+                    engine_index: int | None = None) -> RequestStream:
+        """Send a validated request to an engine: engine_index if route() chose it, else the
+        balancer's pick (or the pinned rank)."""
+        if not self.is_healthy:
+            raise EngineDeadError("an engine core is not running")
+        engine = (engine_index if engine_index is not None
+                  else self.route([request_id], params.n, data_parallel_rank)[0])
         handle = RequestStream(request_id, engine)
         pairs = self.output_processor.add_request(request_id, prompt, prompt_token_ids, params, stream,
                                                   arrival_time=time.monotonic())

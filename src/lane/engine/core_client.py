@@ -54,7 +54,8 @@ class AsyncMPClient:
     def __init__(self, args: EngineArgs, data_parallel_size: int,
                  on_outputs: Callable[[EngineCoreOutputs], None],
                  on_engine_dead: Callable[[int, int | None], None],
-                 on_spans: Callable[[list[Span]], None] | None = None) -> None:
+                 on_spans: Callable[[list[Span]], None] | None = None,
+                 max_num_waiting_requests: int | None = None) -> None:
         if data_parallel_size < 1:
             raise ValueError(f"--data-parallel-size must be >= 1, got {data_parallel_size}")
         self.args = args
@@ -62,7 +63,7 @@ class AsyncMPClient:
         self.on_outputs = on_outputs
         self.on_engine_dead = on_engine_dead
         self.on_spans = on_spans
-        self.balancer = DPLoadBalancer(data_parallel_size)
+        self.balancer = DPLoadBalancer(data_parallel_size, max_num_waiting_requests)
         self.ready: list[EngineReady] = []
         self.procs: list[multiprocessing.Process] = []
         self.dead: dict[int, int | None] = {}  # engine index -> exit code

@@ -19,8 +19,8 @@ import lane
 from lane.config import EngineArgs
 from lane.engine.async_llm import AsyncLLM
 from lane.entrypoints.openai_serving import APIError, OpenAIServing, bad_request, error_body
-from lane.entrypoints.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                       ModelCard, ModelList, TokenizeRequest)
+from lane.entrypoints.protocol import (TOKEN_ID_MARK, ChatCompletionRequest, CompletionRequest,
+                                       DetokenizeRequest, ErrorResponse, ModelCard, ModelList, TokenizeRequest)
 from lane.sampling_params import ParamError
 from lane.tracing import tracer
 
@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 HTTP_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                     405: "MethodNotAllowedError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
-PUBLIC_PATHS = ("/health", "/metrics", "/version")
+PUBLIC_PATHS = ("/health", "/metrics", "/version", "/openapi.json")
 
 
 def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -48,8 +48,45 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return msg, param
 
 
+# what /openapi.json says of errors: every one is an OpenAI-style body
+ERROR_RESPONSES = {"4XX": {"model": ErrorResponse, "description": "A request the server will not serve"},
+                   "5XX": {"model": ErrorResponse, "description": "An engine failed, is down or overloaded"}}
+
+
+def document_schema(app: FastAPI, vocab_size: int) -> None:
+    """/openapi.json as this server answers: no FastAPI 422 responses (validation errors
+    are 400s here), token ids within this model's vocabulary."""
+    generate = app.openapi
+
+    def bound_token_ids(node) -> None:
+        if isinstance(node, dict):
+            if node.pop(TOKEN_ID_MARK, False):
+                node.update(minimum=0, maximum=vocab_size - 1)
+            for value in node.values():
+                bound_token_ids(value)
+        elif isinstance(node, list):
+            for value in node:
+                bound_token_ids(value)
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = generate()  # cached on the app: edited once, in place
+            for operations in schema["paths"].values():
+                for operation in operations.values():
+                    operation.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+            bound_token_ids(schema)
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
 def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | None = None) -> FastAPI:
-    app = FastAPI(title="lane", version=lane.__version__, openapi_url=None, docs_url=None, redoc_url=None)
+    # no /docs pages (they load scripts from a CDN); /openapi.json describes the routes
+    app = FastAPI(title="lane", version=lane.__version__, openapi_url="/openapi.json", docs_url=None,
+                  redoc_url=None, responses=ERROR_RESPONSES)
+    document_schema(app, engine.processor.vocab_size)
     serving = OpenAIServing(engine, served_model_names)
 
     @app.exception_handler(RequestValidationError)
@@ -164,9 +201,10 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
 
 async def serve(args: EngineArgs, host: str, port: int, data_parallel_size: int = 1,
                 served_model_name: list[str] | None = None, api_key: str | None = None,
-                uvicorn_log_level: str = "warning", trace_max_requests: int = 100) -> None:
+                uvicorn_log_level: str = "warning", trace_max_requests: int = 100,
+                max_num_waiting_requests: int | None = None) -> None:
     engine = AsyncLLM(args, data_parallel_size, served_model_name[0] if served_model_name else None,
-                      trace_max_requests=trace_max_requests)
+                      trace_max_requests=trace_max_requests, max_num_waiting_requests=max_num_waiting_requests)
     names = served_model_name or [engine.served_model_name]
     try:
         await engine.start()

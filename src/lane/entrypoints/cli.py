@@ -92,6 +92,8 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"--port must be in [1, 65535], got {args.port}")
     if args.data_parallel_size < 1:
         parser.error(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+    if args.max_num_waiting_requests < 1:
+        parser.error(f"--max-num-waiting-requests must be >= 1, got {args.max_num_waiting_requests}")
     api_key = args.api_key or os.environ.get("LANE_API_KEY") or None
     try:
         eargs = engine_args(args)
@@ -105,7 +107,8 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         asyncio.run(serve(eargs, args.host, args.port, data_parallel_size=args.data_parallel_size,
                           served_model_name=args.served_model_name, api_key=api_key,
-                          trace_max_requests=args.trace_max_requests))
+                          trace_max_requests=args.trace_max_requests,
+                          max_num_waiting_requests=args.max_num_waiting_requests))
     except KeyboardInterrupt:
         pass
     except (RuntimeError, TimeoutError, ValueError) as e:
@@ -187,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
                      help="names the API accepts for the model (default: the model's file or directory name)")
     srv.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                      help="engine-core replicas, each its own process, behind a load balancer")
+    srv.add_argument("--max-num-waiting-requests", type=int, default=1024,
+                     help="requests an engine may have waiting; past it new requests get 503 with Retry-After")
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set LANE_API_KEY)")
     srv.add_argument("--trace", action="store_true",
                      help="record every request's steps (GET /v1/traces/ID, lane trace)")

@@ -13,6 +13,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 
 from lane.engine.async_llm import AsyncLLM, RequestStream
 from lane.engine.core_client import EngineBusyError, EngineDeadError
+from lane.engine.dp_balancer import EngineOverloadedError
 from lane.entrypoints.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                        ChatCompletionResponse, ChatLogprobs, ChatLogprobToken,
                                        ChatResponseMessage, CompletionChoice,
@@ -27,12 +28,15 @@ from lane.tracing import tracer
 class APIError(Exception):
     """An error that becomes an OpenAI-style error body with this status."""
 
-    def __init__(self, status: int, message: str, type_: str, param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, type_: str, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param = status, message, type_, param
+        self.headers = headers
 
     def response(self) -> JSONResponse:
-        return JSONResponse(error_body(self.status, self.message, self.type, self.param), self.status)
+        return JSONResponse(error_body(self.status, self.message, self.type, self.param), self.status,
+                            headers=self.headers)
 
 
 def error_body(status: int, message: str, type_: str, param: str | None = None) -> dict:
@@ -41,6 +45,11 @@ def error_body(status: int, message: str, type_: str, param: str | None = None) 
 
 def bad_request(e: ValueError) -> APIError:
     return APIError(400, str(e), "BadRequestError", getattr(e, "param", None))
+
+
+# seconds an overloaded server asks a refused client to wait: about how long a queue
+# of short requests takes to move on; clients back off further on repeated refusals
+RETRY_AFTER_S = 1
 
 
 def engine_error(e: Exception) -> APIError:
@@ -141,11 +150,22 @@ class OpenAIServing:
             arrival = getattr(raw_request.state, "arrival", t_entry)
             tracer.record(11, arrival, t_entry, sub_ids, endpoint=raw_request.url.path, stream=request.stream)
             tracer.record(12, t_entry, time.monotonic(), sub_ids, prompt_tokens=sum(len(p) for _, p in prompts))
+        try:  # every prompt's engine, before any is sent
+            engines = self.engine.route(sub_ids, params[0].n, request.data_parallel_rank)
+        except EngineOverloadedError as e:
+            raise APIError(503, str(e), "ServiceUnavailableError",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except ParamError as e:  # more sequences than a queue may hold
+            raise bad_request(e) from None
+        except ValueError as e:  # a bad pinned rank
+            raise APIError(400, str(e), "BadRequestError", "data_parallel_rank") from None
+        except RuntimeError as e:  # no engine running (EngineDeadError)
+            raise APIError(503, str(e), "ServiceUnavailableError") from None
         handles = []
         try:
-            for sub_id, (text, ids), sp in zip(sub_ids, prompts, params):
+            for sub_id, (text, ids), sp, engine in zip(sub_ids, prompts, params, engines):
                 handles.append(self.engine.add_request(sub_id, text, ids, sp, request.stream,
-                                                       request.data_parallel_rank))
+                                                       engine_index=engine))
         # a bad pinned rank; an engine not running, or whose input queue is full: the prompts
         # already sent are aborted, so no part of a failed request runs
         except (ValueError, EngineDeadError, EngineBusyError) as e:

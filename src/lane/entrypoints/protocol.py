@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from lane.sampling_params import MAX_LOGPROBS, ParamError, SamplingParams
+from lane.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, ParamError, SamplingParams
+
+# The request fields' ranges are declared here too, so /openapi.json tells clients (and
+# schema fuzzers) what is valid; SamplingParams and the InputProcessor check the rest (the
+# vocabulary, the context length) and every offline request.
+TOKEN_ID_MARK = "x-lane-token-id"  # the API server's schema turns it into [0, vocabulary size)
+TokenId = Annotated[int, Field(json_schema_extra={TOKEN_ID_MARK: True})]
 
 
 class OpenAIBaseModel(BaseModel):
@@ -41,26 +47,26 @@ class UsageInfo(OpenAIBaseModel):
 class SamplingRequest(OpenAIBaseModel):
     """Fields common to completions and chat completions."""
     model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
+    n: int = Field(1, ge=1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
     user: str | None = None
     # vLLM's extensions
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int = 0
+    top_k: int | None = Field(None, ge=-1, le=INT64_MAX)
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0, le=2)
+    min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    data_parallel_rank: int | None = None
+    data_parallel_rank: int | None = Field(None, ge=0)
     return_timing: bool = False  # lane's extension: queue / prefill / decode / TTFT / mean ITL in ms
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -79,8 +85,11 @@ class SamplingRequest(OpenAIBaseModel):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    # documented, not enforced here: in a union pydantic would report every branch's error;
+    # the InputProcessor names what is wrong (empty, out of the vocabulary, too long)
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]] = Field(
+        json_schema_extra={"minLength": 1, "minItems": 1})
+    max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
@@ -96,7 +105,7 @@ class CompletionRequest(SamplingRequest):
 
 
 class ContentPart(OpenAIBaseModel):
-    type: str
+    type: str = Field(json_schema_extra={"enum": ["text"]})  # others are refused with a message
     text: str | None = None
 
 
@@ -118,9 +127,9 @@ class ChatMessage(OpenAIBaseModel):
 
 
 class ChatCompletionRequest(SamplingRequest):
-    messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
@@ -224,7 +233,7 @@ class TokenizeRequest(OpenAIBaseModel):
 
 class DetokenizeRequest(OpenAIBaseModel):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 class ModelCard(OpenAIBaseModel):

@@ -45,6 +45,10 @@ class PrometheusStatLogger:
         self.prefix_hits = counter("vllm:prefix_cache_hits",
                                    "Prefix cache hits, in terms of number of cached tokens.")
         self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions.")
+        # counted by the frontend: a refused request never reaches the engine it is labelled with
+        self.refused = counter("vllm:num_requests_refused",
+                               "Requests refused with 503 because the engine they would go to had "
+                               "--max-num-waiting-requests waiting.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
         self.request_success = counter("vllm:request_success", "Count of successfully processed requests.",
@@ -79,7 +83,7 @@ class PrometheusStatLogger:
         for i in range(num_engines):  # every series exists from the start (dashboards want zeros)
             lv = (model_name, str(i))
             for metric in (self.running, self.waiting, self.kv_usage, self.prefix_queries, self.prefix_hits,
-                           self.preemptions, self.prompt_tokens, self.generation_tokens):
+                           self.preemptions, self.refused, self.prompt_tokens, self.generation_tokens):
                 metric.labels(*lv)
             for reason in FINISH_REASONS:
                 self.request_success.labels(*lv, reason)
@@ -88,6 +92,9 @@ class PrometheusStatLogger:
                                enable_prefix_caching: bool, cache_dtype: str, kv_cache_bytes: int) -> None:
         self.cache_config_info.labels(self.model_name, str(engine_index), str(block_size), str(num_blocks),
                                       str(enable_prefix_caching), cache_dtype, str(kv_cache_bytes)).set(1)
+
+    def record_refused(self, engine_index: int) -> None:
+        self.refused.labels(self.model_name, str(engine_index)).inc()
 
     def record(self, engine_index: int, scheduler_stats: SchedulerStats | None,
                iteration_stats: IterationStats | None) -> None:
