@@ -201,6 +201,10 @@ class EngineConfig:
         self.scheduler_config.max_model_len = self.model_config.max_model_len
 
 
+class EngineArgsError(ValueError):
+    """A setting the engine cannot run with (a bad flag): reported as a usage error."""
+
+
 @dataclass
 class EngineArgs:
     """The user-facing engine settings (flags of ``lane generate`` / ``lane serve``, keyword

@@ -12,7 +12,7 @@ from typing import AsyncIterator
 
 from prometheus_client import CollectorRegistry
 
-from lane.config import EngineArgs
+from lane.config import EngineArgs, EngineArgsError
 from lane.engine.core import EngineCoreOutputs, EngineCoreRequest
 from lane.engine.core_client import AsyncMPClient, EngineDeadError
 from lane.engine.dp_balancer import EngineOverloadedError
@@ -49,13 +49,23 @@ class AsyncLLM:
                  max_num_waiting_requests: int | None = None) -> None:
         self.args = args
         self.max_num_waiting_requests = max_num_waiting_requests
-        self.model_config = args.create_model_config()
+        # the engines first: their imports and weight loading overlap the config and the
+        # tokenizer here (seconds of a cold start)
+        self.client = AsyncMPClient(args, data_parallel_size, self._on_outputs, self._on_engine_dead,
+                                    self._on_spans, max_num_waiting_requests)
+        self.client.launch()
+        try:
+            self.model_config = args.create_model_config()
+        except (ValueError, FileNotFoundError, TypeError) as e:  # a bad flag: the engines fail on it too
+            self.client.shutdown()
+            raise EngineArgsError(str(e)) from None
+        except BaseException:
+            self.client.shutdown()
+            raise
         self.served_model_name = served_model_name or default_served_name(args.model, self.model_config)
         self.tokenizer = self.model_config.get_tokenizer()
         self.processor = InputProcessor(self.model_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.client = AsyncMPClient(args, data_parallel_size, self._on_outputs, self._on_engine_dead,
-                                    self._on_spans, max_num_waiting_requests)
         self.registry = CollectorRegistry()
         self.prometheus = PrometheusStatLogger(self.served_model_name, data_parallel_size, self.registry)
         self.log_stats = [LoggingStatLogger(i) for i in range(data_parallel_size)]

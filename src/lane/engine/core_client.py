@@ -76,7 +76,9 @@ class AsyncMPClient:
         self._pending_aborts: dict[int, list[str]] = {}  # engine index -> ids not yet sent
 
     # -- start-up --------------------------------------------------------------
-    async def start(self, timeout_s: float = 600.0) -> None:
+    def launch(self) -> None:
+        """Bind the sockets and spawn the engine processes; start() waits for them. Called
+        first thing, so the engines import and load while the frontend sets itself up."""
         out_addr = f"ipc://{self._ipc_dir}/outputs"
         self.output_socket = self._async_ctx.socket(zmq.PULL)
         self.output_socket.bind(out_addr)
@@ -97,6 +99,10 @@ class AsyncMPClient:
                                args=(args, i, in_addr, out_addr, cpu_sets[i]), daemon=True)
             proc.start()
             self.procs.append(proc)
+
+    async def start(self, timeout_s: float = 600.0) -> None:
+        if not self.procs:
+            self.launch()
         await self._wait_ready(timeout_s)
         self._tasks = [asyncio.create_task(self._output_loop(), name="engine-outputs"),
                        asyncio.create_task(self._watchdog(), name="engine-watchdog")]

@@ -86,6 +86,7 @@ def cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
 def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import asyncio
 
+    from lane.config import EngineArgsError
     from lane.entrypoints.api_server import serve
 
     if not 0 < args.port < 65536:
@@ -98,7 +99,6 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         eargs = engine_args(args)
         eargs.enable_tracing, eargs.trace_layers = args.trace or args.trace_layers, args.trace_layers
-        eargs.create_model_config()  # a bad --model or --max-model-len fails here, with its flag
     except (ValueError, FileNotFoundError, TypeError) as e:
         parser.error(str(e))
     # uvicorn traps SIGTERM, drains, then re-raises it at the handler found before it:
@@ -111,6 +111,8 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                           max_num_waiting_requests=args.max_num_waiting_requests))
     except KeyboardInterrupt:
         pass
+    except EngineArgsError as e:  # a bad --model or --max-model-len, found while the engines start
+        parser.error(str(e))
     except (RuntimeError, TimeoutError, ValueError) as e:
         print(f"lane serve: {e}", file=sys.stderr)
         return 1
