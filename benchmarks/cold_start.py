@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -32,6 +31,7 @@ import httpx2 as httpx
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from offline_throughput import check_quiet  # noqa: E402
 from peers import free_port, smollm_hf_dir, vllm_python, vllm_serve_command  # noqa: E402
+from serving import stop  # noqa: E402
 
 PROMPT = list(range(1000, 1032))  # 32 token ids
 SERVED = "smollm2"
@@ -82,12 +82,7 @@ def start_and_measure(name: str, argv: list[str], env: dict, port: int, health: 
     except Exception as e:  # noqa: BLE001 - reported, not raised: the other servers still run
         return {"error": f"{type(e).__name__}: {e} (log: {log.name})"}
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
 
 
 def lane_runs(warm_runs: int) -> dict:
