@@ -58,7 +58,6 @@ _SO = _MODULE + (sysconfig.get_config_var("EXT_SUFFIX") or ".so")
 _lib = None  # the loaded module
 _isa: str | None = None
 _build_thread: threading.Thread | None = None
-_build_error: str | None = None
 _lock = threading.Lock()
 
 
@@ -129,7 +128,7 @@ def _finish(proc: subprocess.Popen) -> None:
 
 
 def _build_and_load() -> None:
-    global _lib, _isa, _build_error
+    global _lib, _isa
     try:
         isa = platform.cpu_isa()
         cxx = _compiler()
@@ -142,7 +141,8 @@ def _build_and_load() -> None:
         loader.exec_module(module)
         _lib, _isa = module, isa
     except Exception as e:  # no compiler, a failed build, ...: the torch paths still work
-        _build_error = str(e).splitlines()[0] if str(e) else type(e).__name__
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        logger.warning("CPU kernels unavailable, using the torch paths (%s)", reason)
 
 
 def start_build() -> None:
@@ -158,10 +158,8 @@ def start_build() -> None:
 def build() -> bool:
     """Build (or load the cached build of) the kernels; True when usable."""
     start_build()
-    if _build_thread is not None and _build_thread.is_alive():
+    if _build_thread is not None:
         _build_thread.join()
-        if _build_error is not None:
-            logger.warning("CPU kernels unavailable, using the torch paths (%s)", _build_error)
     return _lib is not None
 
 
