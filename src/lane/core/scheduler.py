@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from lane.config import CacheConfig, SchedulerConfig
 from lane.core.kv_cache_manager import KVCacheManager
 from lane.core.request import Request, RequestStatus
+from lane.engine.messages import EngineCoreOutput
 from lane.metrics.stats import SchedulerStats
 from lane.tracing import tracer
 
@@ -49,19 +50,6 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
-
-
-@dataclass
-class EngineCoreOutput:
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list | None = None  # per token: (sampled logprob, sampled rank, [(id, logprob)...])
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_cached_tokens: int = 0
-    # engine-side times (monotonic), sent with a request's first token for the metrics
-    queued_ts: float = 0.0
-    scheduled_ts: float = 0.0
 
 
 @dataclass

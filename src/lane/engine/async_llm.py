@@ -13,7 +13,7 @@ from typing import AsyncIterator
 from prometheus_client import CollectorRegistry
 
 from lane.config import EngineArgs, EngineArgsError
-from lane.engine.core import EngineCoreOutputs, EngineCoreRequest
+from lane.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from lane.engine.core_client import AsyncMPClient, EngineDeadError
 from lane.engine.dp_balancer import EngineOverloadedError
 from lane.engine.output_processor import OutputProcessor

@@ -3,7 +3,6 @@
 behind ZeroMQ with msgspec-encoded messages (lane serve)."""
 from __future__ import annotations
 
-import enum
 import logging
 import os
 import queue
@@ -11,29 +10,22 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
-
 import msgspec
 
 from lane.config import EngineConfig
 from lane.core.request import Request, RequestStatus
-from lane.core.scheduler import EngineCoreOutput, Scheduler
+from lane.core.scheduler import Scheduler
+from lane.engine.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreOutputType, EngineCoreRequest,
+                                  EngineCoreRequestType, EngineReady)
 from lane.logger import configure_process_logging
 from lane.metrics.stats import SchedulerStats
-from lane.tracing import DECODE_STEP, Span, skipped_steps, tracer
+from lane.tracing import DECODE_STEP, skipped_steps, tracer
 from lane.model_executor.layers import cpu_kernels
 from lane.sampling_params import SamplingParams
 from lane.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass
-class EngineCoreRequest:
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    cache_salt: str | None = None
 
 
 def start_cpu_kernel_build() -> None:
@@ -134,39 +126,6 @@ class EngineCore:
 
 
 # -- the engine-core process (lane serve) ------------------------------------------
-
-class EngineCoreRequestType(bytes, enum.Enum):
-    """First frame of a frontend -> engine message."""
-    ADD = b"\x00"
-    ABORT = b"\x01"
-
-
-class EngineCoreOutputType(bytes, enum.Enum):
-    """First frame of an engine -> frontend message."""
-    READY = b"\x00"
-    OUTPUTS = b"\x01"
-    SPANS = b"\x02"  # trace spans, sent after the outputs they describe
-
-
-@dataclass
-class EngineReady:
-    engine_index: int
-    pid: int
-    num_gpu_blocks: int  # vLLM's name; blocks of the KV pool, the null block excluded
-    block_size: int
-    kv_cache_bytes: int
-    enable_prefix_caching: bool
-    threads: int
-    spans: list[Span] | None = None  # start-up steps 1-8, when tracing
-    skipped: dict[int, str] | None = None  # steps this model never performs, and why
-
-
-@dataclass
-class EngineCoreOutputs:
-    engine_index: int
-    outputs: list[EngineCoreOutput]
-    scheduler_stats: SchedulerStats | None = None
-
 
 class EngineCoreProc:
     """EngineCore in its own process, behind ZeroMQ (seed steps 9, 14): an input

@@ -22,8 +22,8 @@ import zmq
 import zmq.asyncio
 
 from lane.config import EngineArgs
-from lane.engine.core import (EngineCoreOutputs, EngineCoreOutputType, EngineCoreRequest,
-                              EngineCoreRequestType, EngineReady, run_engine_core)
+from lane.engine.messages import (EngineCoreOutputs, EngineCoreOutputType, EngineCoreRequest,
+                                  EngineCoreRequestType, EngineReady)
 from lane.engine.dp_balancer import DPLoadBalancer
 from lane.platform import available_cpus
 from lane.tracing import Span
@@ -48,6 +48,14 @@ def split_cpus(num_engines: int) -> list[list[int] | None]:
         return [None] * num_engines
     per = len(cpus) // num_engines
     return [cpus[i * per:(i + 1) * per] for i in range(num_engines)]
+
+
+def _engine_core_main(*args) -> None:
+    """The spawned process's entry: the engine module (and the model stack it imports)
+    loads there, never in the API server."""
+    from lane.engine.core import run_engine_core
+
+    run_engine_core(*args)
 
 
 class AsyncMPClient:
@@ -95,7 +103,7 @@ class AsyncMPClient:
             sock.bind(in_addr)
             self.input_sockets.append(sock)
             args = self._args_for(threads)
-            proc = ctx.Process(target=run_engine_core, name=f"EngineCore_DP{i}",
+            proc = ctx.Process(target=_engine_core_main, name=f"EngineCore_DP{i}",
                                args=(args, i, in_addr, out_addr, cpu_sets[i]), daemon=True)
             proc.start()
             self.procs.append(proc)

@@ -12,7 +12,8 @@ from typing import Iterator, Sequence
 from tqdm import tqdm
 
 from lane.config import EngineArgs
-from lane.engine.core import EngineCore, EngineCoreRequest, start_cpu_kernel_build
+from lane.engine.core import EngineCore, start_cpu_kernel_build
+from lane.engine.messages import EngineCoreRequest
 from lane.engine.output_processor import OutputProcessor
 from lane.engine.processor import InputProcessor, PromptType
 from lane.outputs import RequestOutput

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from lane.core.scheduler import EngineCoreOutput
+from lane.engine.messages import EngineCoreOutput
 from lane.engine.detokenizer import IncrementalDetokenizer
 from lane.metrics.stats import IterationStats, RequestStateStats
 from lane.outputs import CompletionOutput, Logprob, RequestOutput

@@ -1,0 +1,65 @@
+"""What crosses the frontend <-> engine-core boundary (vLLM's ``v1/engine/__init__.py``):
+plain dataclasses that msgspec encodes. This module imports no model, worker or torch
+code, so the API-server process can use it without loading the model stack."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from lane.metrics.stats import SchedulerStats
+from lane.sampling_params import SamplingParams
+from lane.tracing import Span
+
+
+@dataclass
+class EngineCoreRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    cache_salt: str | None = None
+
+
+@dataclass
+class EngineCoreOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list | None = None  # per token: (sampled logprob, sampled rank, [(id, logprob)...])
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    # engine-side times (monotonic), sent with a request's first token for the metrics
+    queued_ts: float = 0.0
+    scheduled_ts: float = 0.0
+
+
+@dataclass
+class EngineCoreOutputs:
+    engine_index: int
+    outputs: list[EngineCoreOutput]
+    scheduler_stats: SchedulerStats | None = None
+
+
+class EngineCoreRequestType(bytes, enum.Enum):
+    """First frame of a frontend -> engine message."""
+    ADD = b"\x00"
+    ABORT = b"\x01"  # payload: list[str], the request ids
+
+
+class EngineCoreOutputType(bytes, enum.Enum):
+    """First frame of an engine -> frontend message."""
+    READY = b"\x00"
+    OUTPUTS = b"\x01"
+    SPANS = b"\x02"  # trace spans, sent after the outputs they describe
+
+
+@dataclass
+class EngineReady:
+    engine_index: int
+    pid: int
+    num_gpu_blocks: int  # vLLM's name; blocks of the KV pool, the null block excluded
+    block_size: int
+    kv_cache_bytes: int
+    enable_prefix_caching: bool
+    threads: int
+    spans: list[Span] | None = None  # start-up steps 1-8, when tracing
+    skipped: dict[int, str] | None = None  # steps this model never performs, and why
