@@ -18,7 +18,7 @@ from lane.core.kv_cache_manager import KVCacheManager
 from lane.core.request import Request, RequestStatus
 from lane.engine.messages import EngineCoreOutput
 from lane.metrics.stats import SchedulerStats
-from lane.tracing import tracer
+from lane.tracing import Step, tracer
 
 
 @dataclass
@@ -129,11 +129,11 @@ class Scheduler:
                 break
             if tracer.enabled:
                 rid = [req.request_id]
-                tracer.record(16, t_lookup, t_alloc, rid, hit_tokens=n_hit,
+                tracer.record(Step.KV_PREFIX_LOOKUP, t_lookup, t_alloc, rid, hit_tokens=n_hit,
                               hit_blocks=hit_blocks.num_blocks if hit_blocks else 0,
                               prompt_tokens=req.num_prompt_tokens, caching=self.kv.enable_caching)
-                tracer.record(18, t_alloc, time.monotonic(), rid, blocks=len(self.kv.get_block_ids(req)))
-                tracer.record(17, t_alloc, t_alloc, rid, chunk=0, tokens=n,
+                tracer.record(Step.KV_ALLOCATE, t_alloc, time.monotonic(), rid, blocks=len(self.kv.get_block_ids(req)))
+                tracer.record(Step.SCHEDULER_CHUNK, t_alloc, t_alloc, rid, chunk=0, tokens=n,
                               from_token=req.num_computed_tokens + n_hit, prompt_tokens=req.num_prompt_tokens,
                               budget=self.config.max_num_batched_tokens)
             self.waiting.popleft()
@@ -161,13 +161,13 @@ class Scheduler:
         rid = [req.request_id]
         blocks = len(self.kv.get_block_ids(req))
         if req.num_output_tokens and n == 1:
-            tracer.record(42, t_alloc, now, rid, blocks=blocks)
+            tracer.record(Step.KV_APPEND_SLOT, t_alloc, now, rid, blocks=blocks)
         else:
             req.num_chunks += 1
-            tracer.record(17, t_alloc, t_alloc, rid, chunk=req.num_chunks, tokens=n,
+            tracer.record(Step.SCHEDULER_CHUNK, t_alloc, t_alloc, rid, chunk=req.num_chunks, tokens=n,
                           from_token=req.num_computed_tokens, prompt_tokens=req.num_prompt_tokens,
                           budget=self.config.max_num_batched_tokens)
-            tracer.record(18, t_alloc, now, rid, blocks=blocks)
+            tracer.record(Step.KV_ALLOCATE, t_alloc, now, rid, blocks=blocks)
 
     def _preempt(self, req: Request) -> None:
         """Recompute-style preemption: drop its blocks, put it back at the front."""
@@ -239,7 +239,7 @@ class Scheduler:
         del self.requests[req.request_id]
         if tracer.enabled:
             now = time.monotonic()
-            tracer.record(51, t0, t0, [req.request_id], reason=status.finish_reason,
+            tracer.record(Step.SCHEDULER_FINISH, t0, t0, [req.request_id], reason=status.finish_reason,
                           output_tokens=req.num_output_tokens)
-            tracer.record(52, t0, now, [req.request_id], blocks=blocks,
+            tracer.record(Step.KV_FREE, t0, now, [req.request_id], blocks=blocks,
                           cached=self.kv.enable_caching)

@@ -22,7 +22,7 @@ from lane.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
 from lane.metrics.stats import IterationStats
 from lane.outputs import RequestOutput
 from lane.sampling_params import ParamError, SamplingParams
-from lane.tracing import Span, TraceStore, tracer
+from lane.tracing import Span, Step, TraceStore, tracer
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class AsyncLLM:
                 self.traces.skipped.update(r.skipped or {})
             # step 9: from the last engine's start-up work to the frontend seeing it ready
             ends = [s.start + s.dur for s in self.traces.startup] or [t0]
-            tracer.record(9, max(ends), time.monotonic(), engines=len(self.client.ready))
+            tracer.record(Step.ENGINE_READY, max(ends), time.monotonic(), engines=len(self.client.ready))
         for r in self.client.ready:
             self.prometheus.log_engine_initialized(
                 r.engine_index, r.block_size, r.num_gpu_blocks, r.enable_prefix_caching,
@@ -140,7 +140,7 @@ class AsyncLLM:
         if tracer.enabled:  # step 13
             now = time.monotonic()
             for rid, engine in zip(request_ids, engines):
-                tracer.record(13, t0, now, [rid], engine=engine, pinned=data_parallel_rank is not None,
+                tracer.record(Step.DP_ROUTE, t0, now, [rid], engine=engine, pinned=data_parallel_rank is not None,
                               scores=[load.score for load in self.client.balancer.loads])
         return engines
 
@@ -204,7 +204,7 @@ class AsyncLLM:
         t0 = time.monotonic() if tracer.enabled else 0.0
         request_outputs, to_abort = self.output_processor.process_outputs(outs.outputs, iteration_stats)
         if tracer.enabled and request_outputs:  # step 38
-            tracer.record(38, t0, time.monotonic(), [ro.request_id for ro in request_outputs],
+            tracer.record(Step.TOKENIZER_DECODE, t0, time.monotonic(), [ro.request_id for ro in request_outputs],
                           tokens=sum(len(o.new_token_ids) for o in outs.outputs))
         for ro in request_outputs:
             handle = self.streams.get(ro.request_id)

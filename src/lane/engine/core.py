@@ -19,7 +19,7 @@ from lane.engine.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCor
                                   EngineCoreRequestType, EngineReady)
 from lane.logger import configure_process_logging
 from lane.metrics.stats import SchedulerStats
-from lane.tracing import DECODE_STEP, skipped_steps, tracer
+from lane.tracing import DECODE_STEP, Step, skipped_steps, tracer
 from lane.model_executor.layers import cpu_kernels
 from lane.sampling_params import SamplingParams
 from lane.worker.worker import Worker
@@ -50,7 +50,7 @@ class EngineCore:
         cc.num_state_slots = self.worker.runner.num_state_slots
         cc.sliding_window = self.worker.runner.sliding_window
         if tracer.enabled:  # step 8
-            tracer.record(8, t_pool, time.monotonic(), blocks=cc.num_blocks - 1, block_size=cc.block_size,
+            tracer.record(Step.KV_INIT_POOL, t_pool, time.monotonic(), blocks=cc.num_blocks - 1, block_size=cc.block_size,
                           budget_mib=round(cc.budget_bytes() / 2**20, 1))
         self.warmup_s = self.worker.warmup()
         self.scheduler = Scheduler(config.scheduler_config, cc, config.model_config.eos_token_ids)
@@ -113,15 +113,15 @@ class EngineCore:
             if decode:
                 tracer.record(DECODE_STEP[step], start, end, decode, **batch, **attrs)
 
-        both(15, t0, t1, running=len(self.scheduler.running), waiting=len(self.scheduler.waiting))
+        both(Step.SCHEDULER_SCHEDULE, t0, t1, running=len(self.scheduler.running), waiting=len(self.scheduler.waiting))
         t2 = time.monotonic()
-        both(19, t1, t2, transport="in-process call (TP=1)")
+        both(Step.ENGINE_DISPATCH, t1, t2, transport="in-process call (TP=1)")
         sampled = self.worker.execute_model(sched)
         t3 = time.monotonic()
         last = tracer.spans[-1] if tracer.spans else None
-        both(35, last.start + last.dur if last is not None and last.step == 34 else t3, t3)
+        both(Step.WORKER_RETURN, last.start + last.dur if last is not None and last.step == Step.RUNNER_SAMPLE else t3, t3)
         outputs = self.scheduler.update_from_output(sched, sampled)
-        both(36, t3, time.monotonic(), finished=sum(o.finish_reason is not None for o in outputs))
+        both(Step.SCHEDULER_UPDATE, t3, time.monotonic(), finished=sum(o.finish_reason is not None for o in outputs))
         return outputs
 
 
@@ -183,7 +183,7 @@ class EngineCoreProc:
         if kind is EngineCoreRequestType.ADD:
             self.core.add_request(payload)
             if tracer.enabled:  # step 14: from the socket into the waiting queue
-                tracer.record(14, received, time.monotonic(), [payload.request_id],
+                tracer.record(Step.ENGINE_ADD_REQUEST, received, time.monotonic(), [payload.request_id],
                               prompt_tokens=len(payload.prompt_token_ids),
                               waiting=len(self.core.scheduler.waiting))
         else:
@@ -207,7 +207,7 @@ class EngineCoreProc:
                 self.output_socket.send_multipart((EngineCoreOutputType.OUTPUTS.value, payload), copy=False)
                 self._last_stats = stats
                 if tracer.enabled and outputs:  # step 37: until the message is handed to ZeroMQ
-                    tracer.record(37, t_send, t_encoded, [o.request_id for o in outputs],
+                    tracer.record(Step.ENGINE_OUTPUT, t_send, t_encoded, [o.request_id for o in outputs],
                                   outputs=len(outputs), bytes=len(payload))
             if tracer.enabled and tracer.spans:
                 self._send(EngineCoreOutputType.SPANS, tracer.drain())

@@ -22,7 +22,7 @@ from lane.entrypoints.openai_serving import APIError, OpenAIServing, bad_request
 from lane.entrypoints.protocol import (TOKEN_ID_MARK, ChatCompletionRequest, CompletionRequest,
                                        DetokenizeRequest, ErrorResponse, ModelCard, ModelList, TokenizeRequest)
 from lane.sampling_params import ParamError
-from lane.tracing import tracer
+from lane.tracing import Step, tracer
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
     async def health():
         if tracer.enabled:  # step 57
             now = time.monotonic()
-            tracer.record(57, now, now, None, healthy=engine.is_healthy)
+            tracer.record(Step.HEALTH_PROBE, now, now, None, healthy=engine.is_healthy)
         if engine.is_healthy:
             return Response(status_code=200)
         dead = ", ".join(f"engine core {i} (exit code {c})" for i, c in engine.client.dead.items())
@@ -154,7 +154,7 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
         t0 = time.monotonic()
         body = generate_latest(engine.registry)
         if tracer.enabled:  # step 56
-            tracer.record(56, t0, time.monotonic(), None, bytes=len(body))
+            tracer.record(Step.METRICS_PUBLISH, t0, time.monotonic(), None, bytes=len(body))
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")

@@ -22,7 +22,7 @@ from lane.entrypoints.protocol import (ChatChoice, ChatCompletionChunk, ChatComp
                                        TopLogprob, UsageInfo)
 from lane.outputs import CompletionOutput, RequestOutput
 from lane.sampling_params import ParamError, SamplingParams
-from lane.tracing import tracer
+from lane.tracing import Step, tracer
 
 
 class APIError(Exception):
@@ -117,7 +117,7 @@ async def until_disconnected(raw_request: Request, work: Awaitable):
 def trace_chunk(request_id: str, start: float, index: int, choices: int) -> None:
     """Step 39 (the first SSE chunk with tokens, its text possibly empty) or 50 (a later delta)."""
     if tracer.enabled:
-        tracer.record(39 if index == 0 else 50, start, time.monotonic(), [request_id], chunk=index,
+        tracer.record(Step.API_STREAM if index == 0 else 50, start, time.monotonic(), [request_id], chunk=index,
                       choices=choices)
 
 
@@ -148,8 +148,8 @@ class OpenAIServing:
         sub_ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
         if tracer.enabled:  # steps 11 (body parsed and validated) and 12 (tokenised)
             arrival = getattr(raw_request.state, "arrival", t_entry)
-            tracer.record(11, arrival, t_entry, sub_ids, endpoint=raw_request.url.path, stream=request.stream)
-            tracer.record(12, t_entry, time.monotonic(), sub_ids, prompt_tokens=sum(len(p) for _, p in prompts))
+            tracer.record(Step.API_PARSE, arrival, t_entry, sub_ids, endpoint=raw_request.url.path, stream=request.stream)
+            tracer.record(Step.TOKENIZER_ENCODE, t_entry, time.monotonic(), sub_ids, prompt_tokens=sum(len(p) for _, p in prompts))
         try:  # every prompt's engine, before any is sent
             engines = self.engine.route(sub_ids, params[0].n, request.data_parallel_rank)
         except EngineOverloadedError as e:

@@ -16,7 +16,7 @@ from lane.core.scheduler import SamplerResult, SchedulerOutput, ScheduledRequest
 from lane.model_executor.layers.attention import AttentionMetadata, PrefillSpan, set_attention_metadata
 from lane.model_executor.layers.sampler import SamplingMetadata, sample
 from lane import platform, tracing
-from lane.tracing import tracer
+from lane.tracing import Step, tracer
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -48,7 +48,7 @@ class ModelRunner:
         self.sliding_window = max((l.sliding_window for l in self.cache_layers), default=0)
         backend = platform.select_attention_backend(config) if config is not None else None
         # what traces say about step 27
-        self.attention_attrs = {27: {"backend": backend.name, "why": backend.reason}} if backend else {}
+        self.attention_attrs = {Step.OPS_ATTENTION: {"backend": backend.name, "why": backend.reason}} if backend else {}
 
     # -- step 8: the cache tensors -------------------------------------------
     def kv_cache_bytes_per_block(self, group: str = "full") -> int:
@@ -175,7 +175,7 @@ class ModelRunner:
         input_ids, positions, md, sample_rows, sampling = self._prepare(sched)  # step 20
         if prof:
             ids = [s.request.request_id for s in sched.scheduled]
-            tracer.record(20, t0, time.monotonic(), ids, tokens=len(input_ids),
+            tracer.record(Step.RUNNER_PREPARE_INPUTS, t0, time.monotonic(), ids, tokens=len(input_ids),
                           decodes=md.num_decodes, prefill_chunks=len(md.prefills))
             prof.begin()
         with set_attention_metadata(md):
@@ -186,12 +186,12 @@ class ModelRunner:
             return {}
         logits = self.model.compute_logits(hidden[sample_rows])  # step 32
         if prof:
-            prof.mark(32)
+            prof.mark(Step.MODEL_LM_HEAD)
             prof.emit(ids, self.num_layers, self.attention_attrs)
             t_sample = time.monotonic()
         out = sample(logits, self._sampling_metadata(sampling))  # step 34
         if prof:
-            tracer.record(34, t_sample, time.monotonic(), [s.request.request_id for s in sampling],
+            tracer.record(Step.RUNNER_SAMPLE, t_sample, time.monotonic(), [s.request.request_id for s in sampling],
                           rows=len(sampling), greedy=all(s.request.sampling_params.greedy for s in sampling))
         return {s.request.request_id: SamplerResult(tok, lp)
                 for s, tok, lp in zip(sampling, out.token_ids, out.logprobs)}

@@ -14,7 +14,7 @@ from lane import platform
 from lane.config import EngineConfig
 from lane.core.scheduler import SamplerResult, SchedulerOutput
 from lane.model_executor.layers import cpu_kernels
-from lane.tracing import tracer
+from lane.tracing import Step, tracer
 from lane.model_executor.layers.linear import prepack_linears
 from lane.model_executor.loader import get_model
 from lane.model_executor.layers.attention import AttentionMetadata, PrefillSpan, set_attention_metadata
@@ -34,7 +34,7 @@ class Worker:
         if on_cpu:  # the compiler (first use on this CPU) runs while the weights load
             cpu_kernels.start_build()
         if tracer.enabled:
-            tracer.record(1, t0, time.monotonic(), device=str(mc.device_type), dtype=str(mc.dtype),
+            tracer.record(Step.PLATFORM_INIT, t0, time.monotonic(), device=str(mc.device_type), dtype=str(mc.dtype),
                           threads=self.threads, cpu_isa=platform.cpu_isa() if on_cpu else None)
         torch.manual_seed(mc.seed)
         self.model = get_model(mc, config.load_threads, config.show_progress)  # step 4
@@ -89,7 +89,7 @@ class Worker:
             for moe in self.model.moe_layers().values():
                 moe.expert_counts.zero_()
         if tracer.enabled:
-            tracer.record(6, t0, time.monotonic(), tokens=n)
+            tracer.record(Step.WORKER_WARMUP, t0, time.monotonic(), tokens=n)
         return time.monotonic() - t0
 
     def execute_model(self, sched: SchedulerOutput) -> dict[str, SamplerResult]:

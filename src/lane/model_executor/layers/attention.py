@@ -16,6 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lane import tracing
+from lane.tracing import Step
 from lane.model_executor.layers import cpu_kernels
 
 
@@ -138,7 +139,7 @@ class Attention(CacheLayer):
             kc[blk, :, off] = k
             vc[blk, :, off] = v
         mark = tracing.forward_mark()
-        mark(24)
+        mark(Step.OPS_KV_WRITE)
         out = torch.empty_like(q)
         nd = md.num_decodes
         if nd:
@@ -148,7 +149,7 @@ class Attention(CacheLayer):
         for span in md.prefills:
             s, e = span.query_start, span.query_end
             out[s:e] = self._prefill(q[s:e], k[s:e], v[s:e], span, kc, vc)
-        mark(27)
+        mark(Step.OPS_ATTENTION)
         return out.view(q.shape[0], -1)
 
     def _prefill(self, q, k, v, span: PrefillSpan, kc, vc) -> torch.Tensor:

@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from lane import tracing
+from lane.tracing import Step
 from lane.model_executor.layers.attention import CacheLayer, gather_blocks, get_attention_metadata
 from lane.model_executor.layers.linear import Linear
 from lane.model_executor.layers.rotary_embedding import RotaryEmbedding
@@ -88,7 +89,7 @@ class Indexer(CacheLayer):
             top = scores.masked_fill_(~causal, float("-inf")).topk(self.topk, dim=-1).indices
             chosen = torch.zeros_like(causal).scatter_(1, top, True)
             sel.prefill_masks.append(chosen & causal)
-        tracing.forward_mark()(25)
+        tracing.forward_mark()(Step.MODEL_INDEXER_TOPK)
         return sel
 
     def _row_chunks(self, start: int, end: int, total: int):

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from lane import tracing
+from lane.tracing import Step
 from lane.model_executor.layers import cpu_kernels
 from lane.model_executor.layers.attention import (CacheLayer, PrefillSpan, decode_attention_torch,
                                                   gather_blocks, get_attention_metadata)
@@ -73,7 +74,7 @@ class MLAAttention(CacheLayer):
             bs = kc.shape[2]
             kc[md.slot_mapping // bs, 0, md.slot_mapping % bs] = entry
         mark = tracing.forward_mark()
-        mark(24)
+        mark(Step.OPS_KV_WRITE)
         out = q_nope.new_empty(T, self.num_heads, self.v_head_dim)
         nd = md.num_decodes
         if nd:
@@ -82,7 +83,7 @@ class MLAAttention(CacheLayer):
             s, e = span.query_start, span.query_end
             mask = sparse.prefill_masks[i] if sparse is not None else None
             out[s:e] = self._prefill(q_nope[s:e], q_pe[s:e], entry[s:e], span, mask)
-        mark(27)
+        mark(Step.OPS_ATTENTION)
         return out.view(T, -1)
 
     def _prefill(self, q_nope, q_pe, entry, span: PrefillSpan, sparse_mask) -> torch.Tensor:

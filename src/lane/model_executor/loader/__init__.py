@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 from lane.config import ModelConfig
 from lane.registry import ModelRegistry
-from lane.tracing import tracer
+from lane.tracing import Step, tracer
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ def get_model(model_config: ModelConfig, load_threads: int = 4, progress: bool =
     t_resolve = time.monotonic()
     model_cls, arch = ModelRegistry.resolve_model_cls(model_config.hf_config.architectures)
     if tracer.enabled:  # step 3
-        tracer.record(3, t_resolve, time.monotonic(), architecture=arch,
+        tracer.record(Step.REGISTRY_RESOLVE, t_resolve, time.monotonic(), architecture=arch,
                       implementation=f"{model_cls.__module__}:{model_cls.__qualname__}")
     t_load = time.monotonic()
     t0 = time.perf_counter()
@@ -82,7 +82,7 @@ def get_model(model_config: ModelConfig, load_threads: int = 4, progress: bool =
         raise ValueError(f"checkpoint misses {len(missing)} tensors of {arch}, e.g. {missing[:3]}")
     model.eval()
     if tracer.enabled:  # step 4
-        tracer.record(4, t_load, time.monotonic(), tensors=len(loaded),
+        tracer.record(Step.LOADER_LOAD_WEIGHTS, t_load, time.monotonic(), tensors=len(loaded),
                       format="gguf" if model_config.gguf_file else "safetensors")
     logger.info("Loaded %s: architecture %s -> %s:%s in %.2f s", model_config.short_name, arch,
                 model_cls.__module__, model_cls.__qualname__, time.perf_counter() - t0)

@@ -26,6 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lane import tracing
+from lane.tracing import Step
 from lane.model_executor.layers.fused_moe import FusedMoE, fused_expert_name, grouped_topk
 from lane.model_executor.layers.indexer import Indexer
 from lane.model_executor.layers.layernorm import RMSNorm
@@ -94,11 +95,11 @@ class DeepseekV2MLAAttention(nn.Module):
         k_pe = kv_a[:, self.kv_lora_rank:].contiguous().view(T, 1, self.rope_dim)
         q_pe, k_pe = self.rotary(rope, q_pe, k_pe)
         mark = tracing.forward_mark()
-        mark(23)
+        mark(Step.MODEL_QKV_PROJ)
         sparse = self.indexer(rope, x, q_resid) if self.indexer is not None else None  # mark 25
         out = self.attn(q_nope, q_pe, latent, k_pe.view(T, self.rope_dim), sparse)  # marks 24, 27
         out = self.o_proj(out)
-        mark(28)
+        mark(Step.COMM_ATTN_REDUCE)
         return out
 
 
@@ -127,7 +128,7 @@ class DeepseekV2MoE(nn.Module):
             logits, self.top_k, scoring_func=self.scoring_func, correction_bias=self.gate.e_score_correction_bias,
             num_expert_group=self.n_group, topk_group=self.topk_group, renormalize=self.renormalize,
             routed_scaling_factor=self.routed_scaling_factor)
-        tracing.forward_mark()(29)
+        tracing.forward_mark()(Step.MODEL_MOE_ROUTE)
         out = self.experts(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)

@@ -24,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lane import tracing
+from lane.tracing import Step
 from lane.model_executor.layers.attention import get_attention_metadata
 from lane.model_executor.layers.compressed_attention import (V4AttentionCache, V4RMSNorm, attend_with_sinks,
                                                              compress_chunk, empty_acc,
@@ -124,10 +125,10 @@ class DeepseekV4Attention(nn.Module):
         kv = rope_tail(self.norm(self.wkv(x)), cos, sin)
         mark = tracing.forward_mark()
         lt = {"layer_type": self.layer_type}
-        mark(23, **lt)
+        mark(Step.MODEL_QKV_PROJ, **lt)
         cache = self.cache
         cache.kv_cache.view(-1, d)[md.window_slot_mapping] = kv.to(cache.kv_cache.dtype)
-        mark(24, **lt)
+        mark(Step.OPS_KV_WRITE, **lt)
         out = torch.empty_like(q)
         nd = md.num_decodes
         if nd:  # decodes: one batched pass
@@ -140,7 +141,7 @@ class DeepseekV4Attention(nn.Module):
         w = self.wo_a.weight.view(g, -1, H * d // g)
         grouped = torch.bmm(out.reshape(T, g, -1).transpose(0, 1), w.transpose(1, 2)).transpose(0, 1)
         out = self.wo_b(grouped.reshape(T, -1))
-        mark(28, **lt)
+        mark(Step.COMM_ATTN_REDUCE, **lt)
         return out
 
     def _prefill(self, x, q, q_res, pos, span, mark, lt) -> torch.Tensor:
@@ -152,7 +153,7 @@ class DeepseekV4Attention(nn.Module):
             n_entries = self._compress(self.compressor, "state", cache.entry_cache, x, pos, span)
             if self.indexer is not None:
                 self._compress(self.indexer.compressor, "index_state", cache.index_cache, x, pos, span)
-            mark(23, **lt)
+            mark(Step.MODEL_QKV_PROJ, **lt)
         first = max(0, p0 - self.window + 1)
         keys = cache.window_keys(span.window_block_ids, first, p0 + n - 1)
         kpos = torch.arange(first, p0 + n)
@@ -162,11 +163,11 @@ class DeepseekV4Attention(nn.Module):
             if self.indexer is not None:  # step 25: top-k entries per query
                 keys_i = cache.entries(cache.index_cache, table, torch.arange(n_entries))
                 visible &= self._select(x, q_res, pos, keys_i, visible)
-                mark(25, **lt)
+                mark(Step.MODEL_INDEXER_TOPK, **lt)
             keys = torch.cat((keys, cache.entries(cache.entry_cache, table, torch.arange(n_entries))))
             allowed = torch.cat((allowed, visible), dim=1)
         out = attend_with_sinks(q, keys.to(q.dtype), allowed, self.attn_sink, self.head_dim ** -0.5)
-        mark(27, **lt)
+        mark(Step.OPS_ATTENTION, **lt)
         return out
 
     def _decode(self, x, q, q_res, pos, md, mark, lt) -> torch.Tensor:
@@ -181,7 +182,7 @@ class DeepseekV4Attention(nn.Module):
             if self.indexer is not None:
                 self._decode_compress(self.indexer.compressor, "index_state", cache.index_cache, x, pos, tables,
                                       slots)
-            mark(23, **lt)
+            mark(Step.MODEL_QKV_PROJ, **lt)
         kpos = pos[:, None] - torch.arange(self.window - 1, -1, -1)[None, :]  # [B, W]: p - W + 1 .. p
         allowed = kpos >= 0
         keys = cache.kv_cache.view(-1, self.head_dim)[cache.token_slots(wtables, kpos.clamp(min=0))]
@@ -192,12 +193,12 @@ class DeepseekV4Attention(nn.Module):
             if self.indexer is not None:
                 keys_i = cache.entries(cache.index_cache, tables, windows)
                 visible &= self._select(x, q_res, pos, keys_i, visible)
-                mark(25, **lt)
+                mark(Step.MODEL_INDEXER_TOPK, **lt)
             entries = cache.entries(cache.entry_cache, tables, windows)
             keys = torch.cat((keys, entries), dim=1)
             allowed = torch.cat((allowed, visible), dim=1)
         out = attend_with_sinks(q, keys.to(q.dtype), allowed, self.attn_sink, self.head_dim ** -0.5)
-        mark(27, **lt)
+        mark(Step.OPS_ATTENTION, **lt)
         return out
 
     def _decode_compress(self, comp: Compressor, which: str, entry_cache, x, pos, tables, slots) -> torch.Tensor:
@@ -374,7 +375,7 @@ class V4MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x, input_ids)
-        tracing.forward_mark()(29, routing="hash" if self.gate.hashed else "learned")
+        tracing.forward_mark()(Step.MODEL_MOE_ROUTE, routing="hash" if self.gate.hashed else "learned")
         return self.experts(x, weights, ids) + self.shared_experts(x)
 
 
@@ -394,13 +395,13 @@ class DeepseekV4Block(nn.Module):
         mark = tracing.forward_mark()
         post, comb, x = self.hc_attn(streams)
         x = self.attn_norm(x)
-        mark(21)
+        mark(Step.OPS_INPUT_NORM)
         streams = hc_apply(streams, post, comb, self.attn(x, positions))
         post, comb, x = self.hc_ffn(streams)
         x = self.ffn_norm(x)
-        mark(21)
+        mark(Step.OPS_INPUT_NORM)
         streams = hc_apply(streams, post, comb, self.ffn(x, input_ids))
-        mark(30)
+        mark(Step.OPS_FFN)
         return streams
 
 
@@ -447,7 +448,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         for layer in self.layers:
             streams = layer(streams, positions, input_ids)
         out = self.norm(self.hc_head(streams))
-        tracing.forward_mark()(32)
+        tracing.forward_mark()(Step.MODEL_LM_HEAD)
         return out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

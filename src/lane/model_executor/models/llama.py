@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 from lane import tracing
+from lane.tracing import Step
 from lane.model_executor.layers.activation import silu_and_mul
 from lane.model_executor.layers.attention import Attention
 from lane.model_executor.layers.layernorm import RMSNorm
@@ -60,10 +61,10 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(rope, q, k)
         mark = tracing.forward_mark()
-        mark(23)
+        mark(Step.MODEL_QKV_PROJ)
         out = self.attn(q, k, v)  # marks 24 and 27
         out = self.o_proj(out)
-        mark(28)
+        mark(Step.COMM_ATTN_REDUCE)
         return out
 
 
@@ -85,12 +86,12 @@ class LlamaDecoderLayer(nn.Module):
             x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        mark(21)
+        mark(Step.OPS_INPUT_NORM)
         x = self.self_attn(rope, x)
         x, residual = self.post_attention_layernorm(x, residual)
-        mark(21)
+        mark(Step.OPS_INPUT_NORM)
         x = self.mlp(x)
-        mark(30)
+        mark(Step.OPS_FFN)
         return x, residual
 
 
@@ -108,13 +109,13 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        tracing.forward_mark()(21)
+        tracing.forward_mark()(Step.OPS_INPUT_NORM)
         rope = self.rotary.prepare(positions, x.dtype)
         residual = None
         for layer in self.layers:
             x, residual = layer(rope, x, residual)
         x, _ = self.norm(x, residual)
-        tracing.forward_mark()(32)
+        tracing.forward_mark()(Step.MODEL_LM_HEAD)
         return x
 
 
