@@ -85,12 +85,12 @@ def test_latent_cache_pool_matches_explain(tiny):
         d = tiny(case)
         llm = LLM(d, dtype="bfloat16", kv_cache_memory_bytes=8 << 20, show_progress=False, block_size=16)
         worker = llm.engine.worker
-        assert worker.runner.kv_cache_bytes_per_block() == per_token_layer * 2 * 3 * 16
+        assert llm.engine.kv_cache_config.groups[0].page_size_bytes == per_token_layer * 2 * 3 * 16
         assert worker.model.model.layers[0].self_attn.attn.kv_cache.shape[1:] == (1, 16, 40)
         text = explain(d, "bfloat16", 16, 8 << 20)
         assert f"= {per_token_layer * 2} B" in text and "full K/V for every head would take 320 B" in text
         blocks = int(text.split("->")[-1].split("blocks")[0].replace(",", ""))
-        assert blocks == llm.config.cache_config.num_blocks
+        assert blocks == llm.engine.kv_cache_config.num_blocks[0]
         assert "registered: yes" in text and "deepseek_v2:Deepseek" in text
 
 

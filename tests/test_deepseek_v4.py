@@ -72,12 +72,12 @@ def test_preemption_recomputes_state(v4, hf):
     running state dropped and rebuilt on recompute."""
     from lane.core.kv_cache_utils import window_blocks_needed
 
-    runner = _llm(v4, kv_cache_memory_bytes=8 << 20).engine.worker.runner
+    groups = _llm(v4, kv_cache_memory_bytes=8 << 20, enable_prefix_caching=False).engine.kv_cache_config.groups
+    assert [g.kind for g in groups] == ["full", "sliding_window", "state"]
     fewest = window_blocks_needed(16, 16, 4, 2048)[1]
-    llm = _llm(v4, kv_cache_memory_bytes=fewest * runner.kv_cache_bytes_per_block("window")
-               + 25 * runner.kv_cache_bytes_per_block(), enable_prefix_caching=False, max_model_len=160,
-               max_num_seqs=4)
-    assert (llm.config.cache_config.num_blocks, llm.config.cache_config.num_window_blocks) == (25, fewest)
+    llm = _llm(v4, kv_cache_memory_bytes=fewest * groups[1].page_size_bytes + 25 * groups[0].page_size_bytes,
+               enable_prefix_caching=False, max_model_len=160, max_num_seqs=4)
+    assert llm.engine.kv_cache_config.num_blocks[:2] == [25, fewest]
     prompts = _prompts((60, 90, 70, 50), seed=5)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=48, ignore_eos=True), use_tqdm=False)
@@ -92,55 +92,59 @@ def test_window_pool_allocation_release_and_prefix_hits():
     window blocks its next query sees."""
     from lane.core.kv_cache_manager import KVCacheManager
     from lane.core.request import Request
+    from lane.kv_cache_interface import FULL, SLIDING_WINDOW, KVCacheConfig, KVCacheGroupSpec
 
-    kv = KVCacheManager(num_blocks=50, block_size=16, enable_caching=True, num_window_blocks=4, window=16)
+    kv = KVCacheManager(KVCacheConfig([KVCacheGroupSpec(FULL, 16, [], []),
+                                       KVCacheGroupSpec(SLIDING_WINDOW, 16, [], [], sliding_window=16)], [50, 4]),
+                        enable_caching=True)
+    window = kv.coordinator.managers[1]
     a = Request("a", list(range(3, 43)), SamplingParams(max_tokens=4))  # 40 tokens: 3 blocks
     b = Request("b", list(range(100, 120)), SamplingParams(max_tokens=4))
-    assert kv.allocate_slots(a, 40) is not None and kv.window.pool.num_free_blocks == 0
+    assert kv.allocate_slots(a, 40) is not None and window.pool.num_free_blocks == 0
     assert kv.allocate_slots(b, 20) is None  # window pool full
     a.num_computed_tokens = 40
-    kv.cache_full_blocks(a)  # the next query (position 40) sees 25..40: block 0 is released
-    assert kv.get_window_block_ids(a)[0] == 0 and kv.window.pool.num_free_blocks == 1
-    assert len(kv.get_block_ids(a)) == 3  # the main table keeps every block
+    kv.cache_blocks(a)  # the next query (position 40) sees 25..40: block 0 is released
+    assert kv.get_block_ids("a")[1][0] == 0 and window.pool.num_free_blocks == 1
+    assert len(kv.get_block_ids("a")[0]) == 3  # the main table keeps every block
     assert kv.allocate_slots(b, 16) is not None
     kv.free(a)
     kv.free(b)
     # a's first 2 blocks are cached in both groups (block 0 of the window pool released but findable)
     c = Request("c", list(range(3, 35)) + [7, 8, 9], SamplingParams(max_tokens=4))
     computed, n_hit = kv.get_computed_blocks(c)
-    assert n_hit == 32 and computed.window_blocks[0] is kv.window.pool.null_block  # only block 1 is needed
-    assert computed.window_blocks[1].block_hash == c.block_hashes[1]
+    assert n_hit == 32 and computed.blocks[1][0] is window.pool.null_block  # only block 1 is needed
+    assert computed.blocks[1][1].block_hash == c.block_hashes[1]
 
 
 def test_cache_accounting_matches_explain(v4):
     """Per layer type, the pools hold what `lane explain` reports; what V4 keeps for the
     whole context is a small fraction of a dense MHA cache of the same width."""
     llm = _llm(v4, dtype="bfloat16", kv_cache_memory_bytes=8 << 20)
-    runner = llm.engine.worker.runner
+    kv = llm.engine.kv_cache_config
     d, di, bs = 32, 16, 16
     # kept for the whole context: CSA (entry + indexer key) / 4 + fp32 snapshot per block; HCA entry / 16
     csa, hca = (d + di) * 2 / 4 + 3 * (d + di) * 4 / bs, d * 2 / 16
-    assert runner.kv_cache_bytes_per_block() == bs * (2 * csa + hca)
-    assert runner.kv_cache_bytes_per_block("window") == bs * d * 2 * 4  # K=V in every layer
+    assert [g.kind for g in kv.groups] == ["full", "sliding_window", "state"]
+    assert kv.groups[0].page_size_bytes == bs * (2 * csa + hca)
+    assert kv.groups[1].page_size_bytes == bs * d * 2 * 4  # K=V in every layer
     text = explain(v4, "bfloat16", None, 8 << 20)
     assert "backend: compressed" in text
     for name, value in (("sliding_attention", 0), ("compressed_sparse_attention", csa),
                         ("heavily_compressed_attention", hca)):
         assert f"{name}: {value:,.1f} B" in text and "window K=V 64.0 B" in text, (name, text)
     blocks = int(text.split("->")[-1].split("blocks")[0].replace(",", ""))
-    cc = llm.config.cache_config
-    assert blocks == cc.num_blocks
-    assert f"its own pool of {cc.num_window_blocks - 1:,} blocks" in text
+    assert blocks == kv.num_blocks[0]
+    assert f"its own pool of {kv.num_blocks[1] - 1:,} blocks" in text
     dense_mha = 2 * 4 * d * 2  # K and V for 4 heads of 32, bf16
     assert (2 * csa + hca) / 4 < dense_mha / 10
-    assert runner.num_state_slots == llm.config.scheduler_config.max_num_seqs + 1
+    assert kv.num_blocks[2] == llm.config.scheduler_config.max_num_seqs + 1  # running-state slots
 
 
 def test_window_blocks_are_released(v4, hf):
     """Window blocks no future query can see go back to the window pool while the request
     runs; its compressed entries stay."""
     llm = _llm(v4, enable_prefix_caching=False)
-    kv = llm.engine.scheduler.kv
+    main, window = llm.engine.scheduler.kv.coordinator.managers[:2]
     prompt = _prompts((200,), seed=8)[0]
     rid = llm._add_request({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=40,
                                                                           ignore_eos=True))
@@ -149,12 +153,12 @@ def test_window_blocks_are_released(v4, hf):
     while llm.engine.has_unfinished_requests():
         for o in llm._step():
             out = o
-        if rid in kv.window.req_blocks:
-            blocks = kv.window.req_blocks[rid]
-            held.append(sum(b is not kv.window.pool.null_block for b in blocks))
-            assert len(kv.req_blocks[rid]) == len(blocks)  # the main table keeps every block
+        if rid in window.req_to_blocks:
+            blocks = window.req_to_blocks[rid]
+            held.append(sum(b is not window.pool.null_block for b in blocks))
+            assert len(main.req_to_blocks[rid]) == len(blocks)  # the main table keeps every block
     assert held and max(held) <= 2  # a 16-token window over 16-token blocks: at most 2 blocks
-    assert kv.window.pool.num_free_blocks == kv.window.pool.num_blocks  # all back after it finished
+    assert window.pool.num_free_blocks == window.pool.num_blocks  # all back after it finished
     assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 40)
 
 

@@ -45,7 +45,7 @@ def test_explain_default_model_matches_the_engine_pool(lane_smollm_fp32, smollm_
     assert "backend: paged_sdpa" in text
     assert "2 x 3 KV heads x 64 = 1,536 B" in text  # float32
     blocks = int(text.split("->")[-1].split("blocks")[0].replace(",", ""))
-    assert blocks == lane_smollm_fp32.config.cache_config.num_blocks
+    assert blocks == lane_smollm_fp32.engine.kv_cache_config.num_blocks[0]
 
 
 def test_explain_deepseek_latent_cache(tiny_dirs):

@@ -158,10 +158,6 @@ class CacheConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
     kv_cache_memory_bytes: int | None = None  # None: a quarter of free RAM, at most 4 GiB
-    num_blocks: int | None = None  # set when the pool is sized
-    num_state_slots: int = 0  # running-state slots (compressed attention), set by the engine
-    num_window_blocks: int = 0  # the sliding-window group's pool (DeepSeek V4), set by the engine
-    sliding_window: int = 0  # its window in tokens
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

@@ -38,3 +38,17 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What the model runner returns for one step (vLLM's name): per request that reached
+    its last pending token, the tokens it sampled and, when asked for, their logprobs
+    (per token: (logprob, rank, [(token_id, logprob), ...]))."""
+    req_ids: list[str] = field(default_factory=list)
+    sampled_token_ids: list[list[int]] = field(default_factory=list)
+    logprobs: list[list[tuple] | None] | None = None
+
+    @property
+    def req_id_to_index(self) -> dict[str, int]:
+        return {rid: i for i, rid in enumerate(self.req_ids)}

@@ -1,8 +1,9 @@
-"""Device, dtype and threads (seed step 1); the CPU's kernel path (ISA); attention
-backend choice (step 3's second layer)."""
+"""Device, dtype and threads (seed step 1); the CPU's kernel path (ISA); the platform,
+which chooses each model's attention backend (step 3's second layer)."""
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 import os
 import platform as _py_platform
@@ -137,18 +138,60 @@ def available_memory_bytes() -> int:
 
 @dataclass(frozen=True)
 class AttentionBackendChoice:
-    name: str
+    backend_cls: str  # "module:Class" of a lane.attention.backends.AttentionBackend
     reason: str
+
+    @property
+    def backend(self):
+        module, _, qualname = self.backend_cls.partition(":")
+        return getattr(importlib.import_module(module), qualname)
+
+    @property
+    def name(self) -> str:
+        return self.backend.name
+
+
+_BACKENDS = "lane.attention.backends"
+
+
+class Platform:
+    """What a device kind decides (vLLM's Platform): today, each model's attention
+    backend. A ``lane.platform_plugins`` entry may name a subclass that decides otherwise."""
+    device_type = "cpu"
+
+    def get_attn_backend(self, hf_config) -> AttentionBackendChoice:
+        """From the model config's fields, as vllm-ascend's platform.py keys it
+        (use_mla, use_sparse, use_compress)."""
+        if getattr(hf_config, "compress_ratios", None) or getattr(hf_config, "compress_rates", None):
+            return AttentionBackendChoice(f"{_BACKENDS}:CompressedAttentionBackend",
+                                          "config has compress_rates / compress_ratios: sliding window "
+                                          "+ compressed (CSA / HCA) layers")
+        if getattr(hf_config, "kv_lora_rank", None):
+            if getattr(hf_config, "index_topk", None):
+                return AttentionBackendChoice(f"{_BACKENDS}:SparseMLABackend", "config has kv_lora_rank and index_topk")
+            return AttentionBackendChoice(f"{_BACKENDS}:MLABackend", "config has kv_lora_rank")
+        return AttentionBackendChoice(f"{_BACKENDS}:PagedSDPABackend", "no kv_lora_rank: dense multi-head attention")
+
+
+@functools.cache
+def current_platform() -> Platform:
+    """The platform plugin's Platform subclass when one is installed and its device is
+    present (the first by name, if several), else the built-in one."""
+    from lane import plugins
+
+    for name, path in sorted(plugins.load_platform_plugins().items()):
+        module, _, qualname = path.partition(":")
+        try:
+            cls = getattr(importlib.import_module(module), qualname)
+        except (ImportError, AttributeError) as e:
+            logger.warning("Platform plugin %s: cannot import %s (%s)", name, path, e)
+            continue
+        if isinstance(cls, type) and issubclass(cls, Platform):
+            logger.info("Platform from plugin %s: %s", name, path)
+            return cls()
+        logger.warning("Platform plugin %s: %s is not a lane.platform.Platform subclass; ignored", name, path)
+    return Platform()
 
 
 def select_attention_backend(hf_config) -> AttentionBackendChoice:
-    """Pick the attention backend from the model config's fields, as vllm-ascend's
-    platform.py keys it on (use_mla, use_sparse, use_compress)."""
-    if getattr(hf_config, "compress_ratios", None) or getattr(hf_config, "compress_rates", None):
-        return AttentionBackendChoice("compressed", "config has compress_rates / compress_ratios: sliding window "
-                                      "+ compressed (CSA / HCA) layers")
-    if getattr(hf_config, "kv_lora_rank", None):
-        if getattr(hf_config, "index_topk", None):
-            return AttentionBackendChoice("sparse_mla", "config has kv_lora_rank and index_topk")
-        return AttentionBackendChoice("mla", "config has kv_lora_rank")
-    return AttentionBackendChoice("paged_sdpa", "no kv_lora_rank: dense multi-head attention")
+    return current_platform().get_attn_backend(hf_config)

@@ -1,13 +1,28 @@
-"""Sizing the KV pools (seed step 8), shared by the worker and `lane explain`.
+"""Block hashes for the prefix cache, and sizing the pools from the layers' specs (seed
+step 8), shared by the worker and ``lane explain``.
 
-Models whose layers keep a sliding window of raw tokens (DeepSeek V4) get a second,
-small pool for it: a running request holds at most the blocks its window spans plus
-its current prefill chunk; older window blocks are released (``SlidingWindowBlocks``
-in ``kv_cache_manager.py``). Everything else lives in the main pool.
+One pool per KV cache group. Running-state groups get one slot per running request
+(+ slot 0, never handed out). A sliding-window group gets what every running request's
+window can hold at once, but at most half the budget and never less than one request
+needs (past that, requests are preempted as for the main pool). The full group, the
+main pool, gets the rest of the budget.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+import struct
+
+from lane.kv_cache_interface import FULL, SLIDING_WINDOW, STATE, KVCacheConfig, KVCacheGroupSpec
+
+
+def hash_block_tokens(parent: bytes | None, token_ids: list[int] | tuple[int, ...],
+                      extra_keys: tuple = ()) -> bytes:
+    """A full block's hash: chained over its parent, so equal prefixes hash equal."""
+    h = hashlib.sha256(parent or b"\0")
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    if extra_keys:
+        h.update(repr(extra_keys).encode())
+    return h.digest()
 
 
 def window_blocks_needed(window: int, block_size: int, max_num_seqs: int,
@@ -20,27 +35,36 @@ def window_blocks_needed(window: int, block_size: int, max_num_seqs: int,
     return max_num_seqs * per_request + chunk + max_num_seqs + 1, per_request + chunk + 1
 
 
-@dataclass
-class KVPoolPlan:
-    num_blocks: int  # main pool, the null block included
-    num_window_blocks: int  # window pool, the null block included (0: no window pool)
-    bytes_per_block: int  # main pool
-    bytes_per_window_block: int
-
-    @property
-    def total_bytes(self) -> int:
-        return self.num_blocks * self.bytes_per_block + self.num_window_blocks * self.bytes_per_window_block
-
-
-def plan_kv_pools(budget: int, bytes_per_block: int, bytes_per_window_block: int = 0,
-                  window_blocks: tuple[int, int] = (0, 0)) -> KVPoolPlan:
-    """The window pool first: what every running request could need, but at most half
-    the budget (and never below what one request needs; past that, running requests
-    are preempted as for the main pool). The rest of the budget goes to the main pool."""
-    n_window = 0
-    if bytes_per_window_block:
-        most, fewest = window_blocks
-        n_window = max(fewest, min(most, budget // 2 // bytes_per_window_block))
-    rest = max(0, budget - n_window * bytes_per_window_block)
-    return KVPoolPlan(rest // bytes_per_block if bytes_per_block else 0, n_window, bytes_per_block,
-                      bytes_per_window_block)
+def get_kv_cache_config(groups: list[KVCacheGroupSpec], budget: int, max_num_seqs: int,
+                        max_num_batched_tokens: int, max_model_len: int | None) -> KVCacheConfig:
+    """Blocks per group for ``budget`` bytes; raises when one request of ``max_model_len``
+    does not fit the main pool (None: no check). Running state is per request, not per token: it is
+    allocated besides the budget (a few KiB per request)."""
+    if sum(g.kind == FULL for g in groups) != 1:
+        raise ValueError(f"a model needs exactly one full-attention KV cache group, got "
+                         f"{[g.kind for g in groups]}")
+    num_blocks = [0] * len(groups)
+    rest = budget
+    for i, g in enumerate(groups):
+        if g.kind == STATE:
+            num_blocks[i] = max_num_seqs + 1
+        elif g.kind == SLIDING_WINDOW:
+            most, fewest = window_blocks_needed(g.sliding_window, g.block_size, max_num_seqs,
+                                                max_num_batched_tokens)
+            num_blocks[i] = max(fewest, min(most, budget // 2 // g.page_size_bytes))
+            rest -= num_blocks[i] * g.page_size_bytes
+    main = next(i for i, g in enumerate(groups) if g.kind == FULL)
+    per_block = groups[main].page_size_bytes
+    num_blocks[main] = max(0, rest) // per_block if per_block else 0
+    config = KVCacheConfig(groups, num_blocks)
+    block_size = groups[main].block_size
+    need = -(-max_model_len // block_size) + 1 if max_model_len else 0
+    if num_blocks[main] < need:
+        window = sum(config.group_bytes(i) for i, g in enumerate(groups) if g.kind == SLIDING_WINDOW)
+        raise ValueError(
+            f"KV cache budget {budget / 2**20:.1f} MiB holds {num_blocks[main]} blocks of "
+            f"{block_size} tokens ({per_block} B each"
+            + (f", after {window} B for the sliding-window pool" if window else "")
+            + f"), but one request of max_model_len {max_model_len} needs {need}; raise "
+            f"--kv-cache-memory-bytes to at least {need * per_block + window} or lower --max-model-len")
+    return config

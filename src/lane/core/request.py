@@ -5,8 +5,6 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from lane.sampling_params import SamplingParams
 
 
@@ -54,10 +52,6 @@ class Request:
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
-        # a seeded request draws from its own generator, whatever its batch
-        self.generator: torch.Generator | None = None
-        if self.sampling_params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
 
     @property
     def num_prompt_tokens(self) -> int:

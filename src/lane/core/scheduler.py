@@ -1,4 +1,4 @@
-"""Continuous-batching scheduler with chunked prefill (seed steps 15, 17, 41, 43, 51).
+"""Continuous-batching scheduler with chunked prefill (seed steps 15-18, 36, 41-43, 51-52).
 
 There are no prefill and decode phases: each step gives every request enough
 tokens for its computed count to catch up with its token count (prompt +
@@ -6,6 +6,10 @@ output), within a token budget. Running requests go first, then waiting ones.
 A long prompt simply gets a budget-sized slice per step (chunked prefill), and
 its slices share a step with other requests' decodes. When blocks run out the
 newest running request is preempted and later recomputed.
+
+What it decides leaves as a ``SchedulerOutput`` (data); the runner's result comes
+back as a ``ModelRunnerOutput``. With ``log_events`` it records each request's steps as
+``RequestEvent``s, which the engine turns into trace spans.
 """
 from __future__ import annotations
 
@@ -13,64 +17,41 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from lane.config import CacheConfig, SchedulerConfig
+from lane.config import SchedulerConfig
+from lane.core.kv_cache_coordinator import KVCacheBlocks
 from lane.core.kv_cache_manager import KVCacheManager
 from lane.core.request import Request, RequestStatus
+from lane.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from lane.engine.messages import EngineCoreOutput
+from lane.kv_cache_interface import KVCacheConfig
 from lane.metrics.stats import SchedulerStats
-from lane.tracing import Step, tracer
+from lane.outputs import ModelRunnerOutput
+from lane.tracing.steps import Step
 
 
 @dataclass
-class ScheduledRequest:
-    request: Request
-    num_tokens: int  # tokens computed for it this step
-    block_ids: list[int]
-    state_slot: int = 0  # its running-state slot (models with compressed attention), 0 = none
-    window_block_ids: list[int] | None = None  # the sliding-window group's table (null block = released)
-    fresh: bool = False  # first chunk since (re)admission: the running state starts anew here
-
-    @property
-    def samples(self) -> bool:
-        """Whether this step reaches the request's last token (so a token is sampled)."""
-        r = self.request
-        return r.num_computed_tokens + self.num_tokens == r.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[str] = field(default_factory=list)
-    num_prefix_hit_tokens: int = 0
-
-    @property
-    def total_num_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
-@dataclass
-class SamplerResult:
-    token_id: int
-    logprobs: tuple | None = None  # (logprob, rank, [(token_id, logprob), ...])
+class RequestEvent:
+    step: Step
+    start: float  # time.monotonic()
+    end: float
+    request_id: str
+    attrs: dict = field(default_factory=dict)
 
 
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 eos_token_ids: list[int] | None = None) -> None:
+    def __init__(self, scheduler_config: SchedulerConfig, kv_cache_config: KVCacheConfig,
+                 enable_prefix_caching: bool = True, eos_token_ids: list[int] | None = None,
+                 log_events: bool = False) -> None:
         self.config = scheduler_config
         self.max_model_len = scheduler_config.max_model_len
-        self.kv = KVCacheManager(cache_config.num_blocks, cache_config.block_size,
-                                 cache_config.enable_prefix_caching, cache_config.num_state_slots,
-                                 cache_config.num_window_blocks, cache_config.sliding_window)
+        self.kv = KVCacheManager(kv_cache_config, enable_prefix_caching)
         self.eos_token_ids = set(eos_token_ids or [])
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.finished_req_ids: list[str] = []  # not yet told to the workers
+        self.events: list[RequestEvent] | None = [] if log_events else None
 
     # -- queue ---------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -86,10 +67,19 @@ class Scheduler:
         return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage,
                               self.kv.stats.queries, self.kv.stats.hits, self.num_preemptions)
 
+    def drain_events(self) -> list[RequestEvent]:
+        out, self.events = self.events or [], [] if self.events is not None else None
+        return out
+
+    def _event(self, step: Step, start: float, end: float, req: Request, **attrs) -> None:
+        self.events.append(RequestEvent(step, start, end, req.request_id, attrs))
+
     # -- step 15: one scheduling round ----------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        cached = out.scheduled_cached_reqs
         budget = self.config.max_num_batched_tokens
+        log = self.events is not None
         preempted_now = False
 
         i = 0
@@ -99,19 +89,20 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
-            t_alloc = time.monotonic() if tracer.enabled else 0.0
-            while self.kv.allocate_slots(req, n) is None:  # step 18 / 42
+            t_alloc = time.monotonic() if log else 0.0
+            while (new_blocks := self.kv.allocate_slots(req, n)) is None:  # step 18 / 42
                 victim = self.running.pop()
                 self._preempt(victim)
-                out.preempted.append(victim.request_id)
+                out.preempted_req_ids.append(victim.request_id)
                 preempted_now = True
                 if victim is req:
                     break
             if req.status != RequestStatus.RUNNING:
                 break
-            out.scheduled.append(self._scheduled(req, n))
-            if tracer.enabled:
-                self._trace_running(req, n, t_alloc)
+            self._add_cached(cached, req, new_blocks, resumed=False)
+            out.num_scheduled_tokens[req.request_id] = n
+            if log:
+                self._log_running(req, n, t_alloc)
             budget -= n
             i += 1
 
@@ -119,55 +110,73 @@ class Scheduler:
         while (not preempted_now and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
-            hit_blocks, n_hit = None, 0
-            t_lookup = time.monotonic() if tracer.enabled else 0.0
+            hit, n_hit = None, 0
+            t_lookup = time.monotonic() if log else 0.0
             if req.num_computed_tokens == 0:
-                hit_blocks, n_hit = self.kv.get_computed_blocks(req)  # step 16
+                hit, n_hit = self.kv.get_computed_blocks(req)  # step 16
             n = min(req.num_tokens - req.num_computed_tokens - n_hit, budget)
-            t_alloc = time.monotonic() if tracer.enabled else 0.0
-            if self.kv.allocate_slots(req, n, hit_blocks) is None:
+            t_alloc = time.monotonic() if log else 0.0
+            new_blocks = self.kv.allocate_slots(req, n, hit)
+            if new_blocks is None:
                 break
-            if tracer.enabled:
-                rid = [req.request_id]
-                tracer.record(Step.KV_PREFIX_LOOKUP, t_lookup, t_alloc, rid, hit_tokens=n_hit,
-                              hit_blocks=hit_blocks.num_blocks if hit_blocks else 0,
-                              prompt_tokens=req.num_prompt_tokens, caching=self.kv.enable_caching)
-                tracer.record(Step.KV_ALLOCATE, t_alloc, time.monotonic(), rid, blocks=len(self.kv.get_block_ids(req)))
-                tracer.record(Step.SCHEDULER_CHUNK, t_alloc, t_alloc, rid, chunk=0, tokens=n,
-                              from_token=req.num_computed_tokens + n_hit, prompt_tokens=req.num_prompt_tokens,
-                              budget=self.config.max_num_batched_tokens)
+            if log:
+                self._event(Step.KV_PREFIX_LOOKUP, t_lookup, t_alloc, req, hit_tokens=n_hit,
+                            hit_blocks=hit.num_blocks if hit else 0, prompt_tokens=req.num_prompt_tokens,
+                            caching=self.kv.enable_caching)
+                self._event(Step.KV_ALLOCATE, t_alloc, time.monotonic(), req,
+                            blocks=self.kv.num_blocks_held(req.request_id))
+                self._event(Step.SCHEDULER_CHUNK, t_alloc, t_alloc, req, chunk=0, tokens=n,
+                            from_token=req.num_computed_tokens + n_hit, prompt_tokens=req.num_prompt_tokens,
+                            budget=self.config.max_num_batched_tokens)
             self.waiting.popleft()
             if self.kv.enable_caching:
                 self.kv.record_prefix_lookup(req.num_tokens, n_hit)
-            out.num_prefix_hit_tokens += n_hit
             req.num_computed_tokens += n_hit
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = n_hit
+            resumed = req.status == RequestStatus.PREEMPTED
             req.status = RequestStatus.RUNNING
             if not req.scheduled_ts:
                 req.scheduled_ts = time.monotonic()
             self.running.append(req)
-            out.scheduled.append(self._scheduled(req, n, fresh=True))
+            if resumed:  # the workers still hold it: all its blocks are new
+                self._add_cached(cached, req, None, resumed=True)
+            else:
+                out.scheduled_new_reqs.append(NewRequestData(
+                    req.request_id, req.prompt_token_ids, req.sampling_params,
+                    self.kv.get_block_ids(req.request_id), req.num_computed_tokens))
+            out.num_scheduled_tokens[req.request_id] = n
             budget -= n
+        out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
+        if not out.is_empty:  # else they wait for a step the workers run
+            out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, []
         return out
 
-    def _scheduled(self, req: Request, n: int, fresh: bool = False) -> ScheduledRequest:
-        return ScheduledRequest(req, n, self.kv.get_block_ids(req), self.kv.state_slot(req),
-                                self.kv.get_window_block_ids(req), fresh)
+    def _add_cached(self, cached: CachedRequestData, req: Request, new_blocks: KVCacheBlocks | None,
+                    resumed: bool) -> None:
+        cached.req_ids.append(req.request_id)
+        cached.resumed_from_preemption.append(resumed)
+        if resumed:
+            ids = self.kv.get_block_ids(req.request_id)
+        else:
+            ids = new_blocks.get_block_ids() if new_blocks is not None else None
+            if ids is not None and not any(ids):
+                ids = None
+        cached.new_block_ids.append(ids)
+        cached.num_computed_tokens.append(req.num_computed_tokens)
 
-    def _trace_running(self, req: Request, n: int, t_alloc: float) -> None:
-        """Spans of a running request's slice: a later prefill chunk (17, 18) or a decode (42)."""
+    def _log_running(self, req: Request, n: int, t_alloc: float) -> None:
+        """Events of a running request's slice: a later prefill chunk (17, 18) or a decode (42)."""
         now = time.monotonic()
-        rid = [req.request_id]
-        blocks = len(self.kv.get_block_ids(req))
+        blocks = self.kv.num_blocks_held(req.request_id)
         if req.num_output_tokens and n == 1:
-            tracer.record(Step.KV_APPEND_SLOT, t_alloc, now, rid, blocks=blocks)
+            self._event(Step.KV_APPEND_SLOT, t_alloc, now, req, blocks=blocks)
         else:
             req.num_chunks += 1
-            tracer.record(Step.SCHEDULER_CHUNK, t_alloc, t_alloc, rid, chunk=req.num_chunks, tokens=n,
-                          from_token=req.num_computed_tokens, prompt_tokens=req.num_prompt_tokens,
-                          budget=self.config.max_num_batched_tokens)
-            tracer.record(Step.KV_ALLOCATE, t_alloc, now, rid, blocks=blocks)
+            self._event(Step.SCHEDULER_CHUNK, t_alloc, t_alloc, req, chunk=req.num_chunks, tokens=n,
+                        from_token=req.num_computed_tokens, prompt_tokens=req.num_prompt_tokens,
+                        budget=self.config.max_num_batched_tokens)
+            self._event(Step.KV_ALLOCATE, t_alloc, now, req, blocks=blocks)
 
     def _preempt(self, req: Request) -> None:
         """Recompute-style preemption: drop its blocks, put it back at the front."""
@@ -179,25 +188,29 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     # -- step 36 / 41: apply the model's output --------------------------------
-    def update_from_output(self, sched: SchedulerOutput,
-                           sampled: dict[str, SamplerResult]) -> list[EngineCoreOutput]:
+    def update_from_output(self, sched: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
-        for s in sched.scheduled:
-            req = s.request
-            if req.status != RequestStatus.RUNNING:
-                continue  # aborted meanwhile
-            samples = s.samples
-            req.num_computed_tokens += s.num_tokens
-            self.kv.cache_full_blocks(req)
-            if not samples:
+        index = runner_output.req_id_to_index
+        for rid, n in sched.num_scheduled_tokens.items():
+            req = self.requests.get(rid)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # finished or aborted meanwhile
+            req.num_computed_tokens += n
+            self.kv.cache_blocks(req)
+            i = index.get(rid)
+            if i is None:
                 continue  # a prefill chunk that is not the last one
-            result = sampled[req.request_id]
-            req.append_output_token(result.token_id)
-            status = self._check_stop(req, result.token_id)
-            out = EngineCoreOutput(req.request_id, [result.token_id],
-                                   [result.logprobs] if result.logprobs is not None else None,
+            logprobs = runner_output.logprobs[i] if runner_output.logprobs is not None else None
+            new_ids: list[int] = []
+            status = None
+            for tok in runner_output.sampled_token_ids[i]:
+                req.append_output_token(tok)
+                new_ids.append(tok)
+                if (status := self._check_stop(req, tok)) is not None:
+                    break
+            out = EngineCoreOutput(rid, new_ids, logprobs[:len(new_ids)] if logprobs is not None else None,
                                    num_cached_tokens=max(req.num_cached_tokens, 0))
-            if req.num_output_tokens == 1:
+            if req.num_output_tokens == len(new_ids):  # its first tokens
                 out.queued_ts, out.scheduled_ts = req.arrival_time, req.scheduled_ts
             if status is not None:
                 self.running.remove(req)
@@ -232,14 +245,14 @@ class Scheduler:
             self._finish(req, status)
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
-        t0 = time.monotonic() if tracer.enabled else 0.0
+        log = self.events is not None
+        t0 = time.monotonic() if log else 0.0
         req.status = status
-        blocks = len(self.kv.req_blocks.get(req.request_id, ())) if tracer.enabled else 0
+        blocks = self.kv.num_blocks_held(req.request_id) if log else 0
         self.kv.free(req)  # step 52
         del self.requests[req.request_id]
-        if tracer.enabled:
-            now = time.monotonic()
-            tracer.record(Step.SCHEDULER_FINISH, t0, t0, [req.request_id], reason=status.finish_reason,
-                          output_tokens=req.num_output_tokens)
-            tracer.record(Step.KV_FREE, t0, now, [req.request_id], blocks=blocks,
-                          cached=self.kv.enable_caching)
+        self.finished_req_ids.append(req.request_id)
+        if log:
+            self._event(Step.SCHEDULER_FINISH, t0, t0, req, reason=status.finish_reason,
+                        output_tokens=req.num_output_tokens)
+            self._event(Step.KV_FREE, t0, time.monotonic(), req, blocks=blocks, cached=self.kv.enable_caching)

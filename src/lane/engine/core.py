@@ -15,13 +15,13 @@ import msgspec
 from lane.config import EngineConfig
 from lane.core.request import Request, RequestStatus
 from lane.core.scheduler import Scheduler
+from lane.kv_cache_interface import SLIDING_WINDOW
 from lane.engine.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreOutputType, EngineCoreRequest,
                                   EngineCoreRequestType, EngineReady)
 from lane.logger import configure_process_logging
 from lane.metrics.stats import SchedulerStats
 from lane.tracing import DECODE_STEP, Step, skipped_steps, tracer
 from lane.model_executor.layers import cpu_kernels
-from lane.sampling_params import SamplingParams
 from lane.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -44,28 +44,27 @@ class EngineCore:
         self.worker = Worker(config)
         cc = config.cache_config
         t_pool = time.monotonic()
-        plan = self.worker.determine_num_blocks()
-        cc.num_blocks, cc.num_window_blocks = plan.num_blocks, plan.num_window_blocks
-        self.worker.initialize_cache(plan)
-        cc.num_state_slots = self.worker.runner.num_state_slots
-        cc.sliding_window = self.worker.runner.sliding_window
+        self.kv_cache_config = kv = self.worker.initialize_kv_cache()  # handed to the scheduler as it is
         if tracer.enabled:  # step 8
-            tracer.record(Step.KV_INIT_POOL, t_pool, time.monotonic(), blocks=cc.num_blocks - 1, block_size=cc.block_size,
+            tracer.record(Step.KV_INIT_POOL, t_pool, time.monotonic(), blocks=kv.num_blocks[0] - 1,
+                          block_size=kv.block_size, groups=[g.kind for g in kv.groups],
                           budget_mib=round(cc.budget_bytes() / 2**20, 1))
         self.warmup_s = self.worker.warmup()
-        self.scheduler = Scheduler(config.scheduler_config, cc, config.model_config.eos_token_ids)
-        self.kv_cache_bytes = plan.total_bytes
+        self.scheduler = Scheduler(config.scheduler_config, kv, cc.enable_prefix_caching,
+                                   config.model_config.eos_token_ids, log_events=tracer.enabled)
+        self.kv_cache_bytes = kv.total_bytes
         self.init_s = time.perf_counter() - t0
         mc = config.model_config
         logger.info("Model %s: %s, dtype %s, %d threads, CPU kernels %s, max_model_len %d",
                     mc.short_name, mc.architectures[0] if mc.architectures else "?",
                     str(mc.dtype).removeprefix("torch."), self.worker.threads,
                     f"on ({cpu_kernels.isa()})" if cpu_kernels.available() else "off", mc.max_model_len)
-        window = (f" + a sliding-window pool of {cc.num_window_blocks - 1} blocks ({cc.sliding_window}-token "
-                  f"windows)" if cc.num_window_blocks else "")
+        others = "".join(f" + a sliding-window pool of {n - 1} blocks ({g.sliding_window}-token windows)"
+                         if g.kind == SLIDING_WINDOW else f" + {n - 1} running-state slots"
+                         for g, n in zip(kv.groups[1:], kv.num_blocks[1:]))
         logger.info("KV cache: %d blocks x %d tokens = %d tokens%s (%.1f MiB of a %.1f MiB budget); "
                     "prefix caching %s; init (load, KV pool, warm-up) took %.2f s",
-                    cc.num_blocks - 1, cc.block_size, (cc.num_blocks - 1) * cc.block_size, window,
+                    kv.num_blocks[0] - 1, kv.block_size, (kv.num_blocks[0] - 1) * kv.block_size, others,
                     self.kv_cache_bytes / 2**20, cc.budget_bytes() / 2**20,
                     "on" if cc.enable_prefix_caching else "off", self.init_s)
 
@@ -80,6 +79,13 @@ class EngineCore:
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        if tracer.enabled:
+            self._record_events()
+
+    def _record_events(self) -> None:
+        """The scheduler's per-request events, as spans."""
+        for e in self.scheduler.drain_events():
+            tracer.record(e.step, e.start, e.end, [e.request_id], **e.attrs)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -87,27 +93,27 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         if tracer.enabled:
             return self._traced_step()
-        sched = self.scheduler.schedule()
-        if sched.is_empty:
+        so = self.scheduler.schedule()
+        if so.is_empty:
             return []
-        sampled = self.worker.execute_model(sched)
-        return self.scheduler.update_from_output(sched, sampled)
+        return self.scheduler.update_from_output(so, self.worker.execute_model(so))
 
     def _traced_step(self) -> list[EngineCoreOutput]:
         """step() recording the engine's spans; a decoding request sees an engine-level
         span under its decode-loop number (15 -> 43, 19 -> 44, 35 -> 49, 36 -> 41)."""
         t0 = time.monotonic()
-        sched = self.scheduler.schedule()
+        so = self.scheduler.schedule()
         t1 = time.monotonic()
-        if sched.is_empty:
+        self._record_events()
+        if so.is_empty:
             return []
-        decode = [s.request.request_id for s in sched.scheduled
-                  if s.num_tokens == 1 and s.request.num_output_tokens]
+        reqs = self.scheduler.requests
+        decode = [rid for rid, n in so.num_scheduled_tokens.items() if n == 1 and reqs[rid].num_output_tokens]
         decode_set = set(decode)
-        prefill = [s.request.request_id for s in sched.scheduled if s.request.request_id not in decode_set]
-        batch = dict(batch=len(sched.scheduled), tokens=sched.total_num_tokens)
+        prefill = [rid for rid in so.num_scheduled_tokens if rid not in decode_set]
+        batch = dict(batch=len(so.num_scheduled_tokens), tokens=so.total_num_scheduled_tokens)
 
-        def both(step: int, start: float, end: float, **attrs) -> None:
+        def both(step: Step, start: float, end: float, **attrs) -> None:
             if prefill:
                 tracer.record(step, start, end, prefill, **batch, **attrs)
             if decode:
@@ -116,12 +122,14 @@ class EngineCore:
         both(Step.SCHEDULER_SCHEDULE, t0, t1, running=len(self.scheduler.running), waiting=len(self.scheduler.waiting))
         t2 = time.monotonic()
         both(Step.ENGINE_DISPATCH, t1, t2, transport="in-process call (TP=1)")
-        sampled = self.worker.execute_model(sched)
+        runner_output = self.worker.execute_model(so)
         t3 = time.monotonic()
         last = tracer.spans[-1] if tracer.spans else None
-        both(Step.WORKER_RETURN, last.start + last.dur if last is not None and last.step == Step.RUNNER_SAMPLE else t3, t3)
-        outputs = self.scheduler.update_from_output(sched, sampled)
+        both(Step.WORKER_RETURN, last.start + last.dur if last is not None and last.step == Step.RUNNER_SAMPLE
+             else t3, t3)
+        outputs = self.scheduler.update_from_output(so, runner_output)
         both(Step.SCHEDULER_UPDATE, t3, time.monotonic(), finished=sum(o.finish_reason is not None for o in outputs))
+        self._record_events()
         return outputs
 
 
@@ -146,12 +154,12 @@ class EngineCoreProc:
         start_cpu_kernel_build()
         config = args.create_engine_config()
         self.core = EngineCore(config)
-        cc = config.cache_config
+        kv = self.core.kv_cache_config
         threading.Thread(target=self._read_inputs, args=(input_address,), daemon=True,
                          name="EngineCoreInput").start()
         self._send(EngineCoreOutputType.READY, EngineReady(
-            engine_index, os.getpid(), cc.num_blocks - 1, cc.block_size, self.core.kv_cache_bytes,
-            cc.enable_prefix_caching, self.core.worker.threads,
+            engine_index, os.getpid(), kv.num_blocks[0] - 1, kv.block_size, self.core.kv_cache_bytes,
+            config.cache_config.enable_prefix_caching, self.core.worker.threads,
             tracer.drain() if tracer.enabled else None,
             skipped_steps(config.model_config.hf_config) if tracer.enabled else None))
         self._last_stats: SchedulerStats | None = None

@@ -222,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     ex.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     ex.add_argument("--block-size", type=int, default=None)
     ex.add_argument("--kv-cache-memory-bytes", type=parse_bytes, default=None)
+    ex.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                    help="the cache layout with prefix caching on (default) or off")
 
     tm = sub.add_parser("tiny-model", help="write a small random checkpoint of an architecture (SmolLM2's tokenizer)")
     tm.add_argument("arch", choices=["llama", "qwen3", "deepseek_v3", "deepseek_v32", "deepseek_v4"])
@@ -236,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.block_size is not None and args.block_size < 1:
             ex.error(f"--block-size must be >= 1, got {args.block_size}")
         try:
-            print(explain(args.model_tag, args.dtype, args.block_size, args.kv_cache_memory_bytes))
+            print(explain(args.model_tag, args.dtype, args.block_size, args.kv_cache_memory_bytes,
+                          args.enable_prefix_caching))
         except (ValueError, FileNotFoundError, OSError) as e:
             ex.error(str(e))
         return 0

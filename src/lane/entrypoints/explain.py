@@ -4,88 +4,101 @@ registered it; (2) which attention backend its config selects, on which fields, 
 KV cache layout that follows (bytes per token per layer, blocks that fit the budget)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from lane import platform, plugins
 from lane.registry import ModelRegistry
 
-BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+def meta_model(mc):
+    """The implementation built on the meta device: its layers (and so its cache specs)
+    exist, its weights take no memory."""
+    import torch
+
+    from lane.registry import ModelRegistry
+
+    cls, _ = ModelRegistry.resolve_model_cls(mc.architectures)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(mc.dtype)
+    try:
+        with torch.device("meta"):
+            return cls(mc.hf_config, max_position=mc.max_model_len)
+    finally:
+        torch.set_default_dtype(prev)
 
 
-@dataclass
-class CacheLayout:
-    what: str  # what one token of one layer keeps
-    bytes_per_token_layer: int
-    full_kv_bytes_per_token_layer: int  # what plain K and V for every head would take
-    num_layers: int
+def _describe(specs: list, cfg) -> str:
+    """What one token of one layer keeps, by spec type."""
+    from lane.kv_cache_interface import FullAttentionSpec, IndexerKeySpec, MLAAttentionSpec
+
+    parts = []
+    for spec in dict.fromkeys(specs):
+        if isinstance(spec, FullAttentionSpec):
+            parts.append(f"K and V: 2 x {spec.num_kv_heads} KV heads x {spec.head_size}")
+        elif isinstance(spec, MLAAttentionSpec):
+            latent = int(cfg.kv_lora_rank)
+            parts.append(f"latent {latent} + rope key {spec.head_size - latent}")
+        elif isinstance(spec, IndexerKeySpec):
+            parts.append(f"indexer key {spec.head_size}")
+        else:
+            parts.append(type(spec).__name__)
+    return " + ".join(parts)
 
 
-def cache_layout(cfg, backend: str, dtype_bytes: int) -> CacheLayout:
-    layers = int(getattr(cfg, "num_hidden_layers", 0) or 0)
+def _full_kv_bytes(cfg, dtype) -> int:
+    """What plain K and V for every head would take per token per layer."""
     heads = int(getattr(cfg, "num_attention_heads", 0) or 0)
-    if backend in ("mla", "sparse_mla"):
-        latent, rope = int(cfg.kv_lora_rank), int(getattr(cfg, "qk_rope_head_dim", 0) or 0)
-        nope, v = int(getattr(cfg, "qk_nope_head_dim", 0) or 0), int(getattr(cfg, "v_head_dim", 0) or 0)
-        per = (latent + rope) * dtype_bytes
-        what = f"latent {latent} + rope key {rope}"
-        if backend == "sparse_mla":
-            idx = int(getattr(cfg, "index_head_dim", 0) or 0)
-            per += idx * dtype_bytes
-            what += f" + indexer key {idx}"
-        return CacheLayout(what, per, heads * (nope + rope + v) * dtype_bytes, layers)
-    kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(cfg, "head_dim", None) or (cfg.hidden_size // heads if heads else 0))
-    per = 2 * kv_heads * head_dim * dtype_bytes
-    return CacheLayout(f"K and V: 2 x {kv_heads} KV heads x {head_dim}", per,
-                       2 * heads * head_dim * dtype_bytes, layers)
+    if getattr(cfg, "kv_lora_rank", None):
+        width = int(cfg.qk_nope_head_dim) + int(cfg.qk_rope_head_dim) + int(cfg.v_head_dim)
+    else:
+        width = 2 * int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
+    return heads * width * dtype.itemsize
 
 
-def _compressed_layout(cfg, block_size: int, dtype, budget: int, lines: list[str]) -> int:
-    """DeepSeek V4: the cache per layer type, from the cache layers' own shapes (what
-    the engine allocates), and the two pools; returns the main pool's block count."""
-    import math
+def _layer_kinds(model, block_size: int, dtype, caching: bool) -> dict[str, list]:
+    """Per kind of cache layer (its layer type, else its class): its layers' specs."""
+    from lane.model_executor.layers.attention import cache_layers
 
-    from lane.config import SchedulerConfig
-    from lane.core.kv_cache_utils import plan_kv_pools, window_blocks_needed
-    from lane.model_executor.layers.compressed_attention import V4AttentionCache
+    kinds: dict[str, list] = {}
+    for layer in cache_layers(model).values():
+        kind = getattr(layer, "layer_type", None) or type(layer).__name__
+        kinds.setdefault(kind, []).append(layer.kv_cache_specs(block_size, dtype, caching))
+    return kinds
 
-    types = list(getattr(cfg, "layer_types", None) or [])
-    rates = getattr(cfg, "compress_rates", None) or {}
-    d, di, W = cfg.head_dim, getattr(cfg, "index_head_dim", 0) or 0, cfg.sliding_window
-    dtype_name = str(dtype).removeprefix("torch.")
-    lines.append(f"  KV cache per token per layer ({dtype_name}), by layer type:")
-    per_block = {"full": 0, "window": 0}
-    for kind in dict.fromkeys(types):
-        layer = V4AttentionCache(kind, d, W, rates.get(kind, 0), di)
-        count = types.count(kind)
-        sizes = {n: math.prod(s) * (layer.cache_dtype(n) or dtype).itemsize
-                 for n, s in layer.cache_shapes(block_size).items()}
-        for n, b in sizes.items():
-            per_block[layer.cache_group(n)] += b * count
-        main = sum(b for n, b in sizes.items() if layer.cache_group(n) == "full")
-        state = sum(math.prod(s) * 4 for s in layer.state_shapes().values())
-        parts = ", ".join(f"{n} {'x'.join(map(str, s))}" for n, s in layer.cache_shapes(block_size).items()
-                          if layer.cache_group(n) == "full")
-        lines.append(f"    {kind}: {main / block_size:,.1f} B x {count} layer{'s' * (count != 1)}"
+
+def _compressed_layout(model, cfg, block_size: int, dtype, caching: bool, lines: list[str]) -> None:
+    """Compressed attention (DeepSeek V4): the cache per layer type, and what prefix
+    caching costs (block-edge snapshots)."""
+    from lane.kv_cache_interface import FULL, SLIDING_WINDOW, STATE
+
+    lines.append(f"  KV cache per token per layer ({str(dtype).removeprefix('torch.')}), by layer type:")
+    kept = 0
+    for kind, layers in _layer_kinds(model, block_size, dtype, caching).items():
+        specs = layers[0]
+        main = sum(s.page_size_bytes for s in specs.values() if s.kind == FULL)
+        window = sum(s.page_size_bytes for s in specs.values() if s.kind == SLIDING_WINDOW)
+        state = sum(s.page_size_bytes for s in specs.values() if s.kind == STATE)
+        kept += main * len(layers)
+        parts = ", ".join(f"{n} {'x'.join(map(str, s.shape))}" for n, s in specs.items() if s.kind == FULL)
+        lines.append(f"    {kind}: {main / block_size:,.1f} B x {len(layers)} layer{'s' * (len(layers) != 1)}"
                      + (f" ({parts} per block; running state {state:,} B per request, float32)" if parts else "")
-                     + f" + window K=V {sizes['kv_cache'] / block_size:,.1f} B")
-    sc = SchedulerConfig()
-    plan = plan_kv_pools(budget, per_block["full"], per_block["window"],
-                         window_blocks_needed(W, block_size, sc.max_num_seqs, sc.max_num_batched_tokens))
-    dense = 2 * cfg.num_attention_heads * d * dtype.itemsize * len(types)
-    per_token = per_block["full"] / block_size
-    lines.append(f"  per token, all {len(types)} layers: {per_token:,.1f} B kept for the whole context (a dense "
+                     + f" + window K=V {window / block_size:,.1f} B")
+    other = sum(s.page_size_bytes for layers in _layer_kinds(model, block_size, dtype, not caching).values()
+                for specs in layers for s in specs.values() if s.kind == FULL)
+    if other != kept:
+        on, off = (kept, other) if caching else (other, kept)
+        lines.append(f"  kept for the whole context: {on / block_size:,.1f} B per token with prefix caching (its "
+                     f"block-edge snapshots let a hit resume compression), {off / block_size:,.1f} B without "
+                     f"(--no-enable-prefix-caching); this run: {'on' if caching else 'off'}")
+    n_layers = int(cfg.num_hidden_layers)
+    dense = 2 * cfg.num_attention_heads * cfg.head_dim * dtype.itemsize * n_layers
+    per_token = kept / block_size
+    lines.append(f"  per token, all {n_layers} layers: {per_token:,.1f} B kept for the whole context (a dense "
                  f"MHA cache of the same width: {dense:,} B, {dense / per_token:.0f}x more); a block of "
-                 f"{block_size} tokens: {per_block['full']:,} B")
-    lines.append(f"  window K=V ({W} tokens, every layer): its own pool of {plan.num_window_blocks - 1:,} blocks "
-                 f"of {per_block['window']:,} B (at most half the budget); blocks no query can see any more "
-                 f"are released")
-    return plan.num_blocks
+                 f"{block_size} tokens: {kept:,} B")
 
 
 def explain(model: str | None, dtype: str = "auto", block_size: int | None = None,
-            kv_cache_memory_bytes: int | None = None) -> str:
-    from lane.config import CacheConfig, ModelConfig
+            kv_cache_memory_bytes: int | None = None, enable_prefix_caching: bool = True) -> str:
+    from lane.config import CacheConfig, ModelConfig, SchedulerConfig
 
     plugins.load_general_plugins()
     mc = ModelConfig(model, dtype=dtype)
@@ -93,6 +106,7 @@ def explain(model: str | None, dtype: str = "auto", block_size: int | None = Non
     block_size = mc.resolve_block_size(block_size)
     lines = [f"model: {mc.gguf_file or mc.model_dir}", "", "1 · registry (which implementation serves it)"]
     archs = mc.architectures
+    entry = None
     if not archs:
         lines.append("  config.json has no `architectures`: nothing to look up in the registry "
                      "(add the model class name, e.g. \"LlamaForCausalLM\")")
@@ -124,23 +138,43 @@ def explain(model: str | None, dtype: str = "auto", block_size: int | None = Non
     lines += ["", "2 · attention backend (chosen from the config's fields)",
               f"  backend: {choice.name} ({choice.reason})",
               "  fields: " + ", ".join(f"{k}={v}" for k, v in fields.items())]
-    dtype_name = str(mc.dtype).removeprefix("torch.")
-    budget = CacheConfig(block_size, True, kv_cache_memory_bytes).budget_bytes()
+    if entry is None:
+        lines.append("  (the cache layout follows from an implementation's layers: none is registered)")
+        return "\n".join(lines)
+    from lane.core.kv_cache_utils import get_kv_cache_config
+    from lane.kv_cache_interface import FULL, SLIDING_WINDOW, group_kv_cache_specs
+    from lane.model_executor.layers.attention import kv_cache_specs
+
+    # the specs, groups and sizing the engine allocates from, on a weightless model
+    model = meta_model(mc)
+    dtype = mc.dtype
+    specs = kv_cache_specs(model, block_size, dtype, enable_prefix_caching)
+    groups = group_kv_cache_specs(specs)
     if choice.name == "compressed":
-        blocks = _compressed_layout(cfg, block_size, mc.dtype, budget, lines)
+        _compressed_layout(model, cfg, block_size, dtype, enable_prefix_caching, lines)
     else:
-        layout = cache_layout(cfg, choice.name, BYTES.get(dtype_name, 2))
-        per_block = layout.bytes_per_token_layer * layout.num_layers * block_size
-        lines += [f"  KV cache per token per layer ({dtype_name}): {layout.what} = "
-                  f"{layout.bytes_per_token_layer:,} B"]
-        if layout.full_kv_bytes_per_token_layer != layout.bytes_per_token_layer:
-            ratio = layout.full_kv_bytes_per_token_layer / layout.bytes_per_token_layer
-            lines.append(f"    (full K/V for every head would take {layout.full_kv_bytes_per_token_layer:,} B: "
-                         f"{ratio:.1f}x more)")
-        lines.append(f"  per token, all {layout.num_layers} layers: "
-                     f"{layout.bytes_per_token_layer * layout.num_layers:,} B; "
-                     f"a block of {block_size} tokens: {per_block:,} B")
-        blocks = budget // per_block if per_block else 0
-    lines.append(f"  budget {budget / 2**20:,.1f} MiB -> {blocks:,} blocks, one of them the null block "
-                 f"({(blocks - 1) * block_size:,} tokens)")
+        n_layers = int(getattr(cfg, "num_hidden_layers", 0) or 1)
+        per_layer = sum(s.page_size_bytes for s in specs.values()) // block_size // n_layers
+        full_kv = _full_kv_bytes(cfg, dtype)
+        lines.append(f"  KV cache per token per layer ({str(dtype).removeprefix('torch.')}): "
+                     f"{_describe(list(specs.values()), cfg)} = {per_layer:,} B")
+        if full_kv != per_layer:
+            lines.append(f"    (full K/V for every head would take {full_kv:,} B: {full_kv / per_layer:.1f}x more)")
+        lines.append(f"  per token, all {n_layers} layers: {per_layer * n_layers:,} B; "
+                     f"a block of {block_size} tokens: {per_layer * n_layers * block_size:,} B")
+    sc = SchedulerConfig()
+    budget = CacheConfig(block_size, enable_prefix_caching, kv_cache_memory_bytes).budget_bytes()
+    kv = get_kv_cache_config(groups, budget, sc.max_num_seqs, sc.max_num_batched_tokens, None)
+    for g, n in zip(kv.groups, kv.num_blocks):
+        if g.kind == SLIDING_WINDOW:
+            lines.append(f"  window K=V ({g.sliding_window} tokens, every layer): its own pool of {n - 1:,} blocks "
+                         f"of {g.page_size_bytes:,} B (at most half the budget); blocks no query can see any more "
+                         f"are released")
+    main = kv.first_group(FULL)
+    lines.append(f"  budget {budget / 2**20:,.1f} MiB -> {kv.num_blocks[main]:,} blocks, one of them the null block "
+                 f"({(kv.num_blocks[main] - 1) * block_size:,} tokens)")
+    need = -(-mc.max_model_len // block_size) + 1
+    if kv.num_blocks[main] < need:
+        lines.append(f"  one request of the whole context (max_model_len {mc.max_model_len:,}) needs {need:,} blocks: "
+                     f"the engine refuses this budget unless --max-model-len is lower")
     return "\n".join(lines)

@@ -4,62 +4,21 @@ The cache of one layer is ``[num_blocks, num_kv_heads, block_size, head_dim]``
 for K and for V: head-major inside a block, so one head's tokens of a block are
 one contiguous run (what the decode kernel streams, and what SDPA wants).
 Each step's batch is flattened: query-length-1 requests (decodes) come first
-and are attended in one batched call; prefill chunks follow, one call each. Block 0 is a zeroed null block that pads block tables.
+and are attended in one batched call; prefill chunks follow, one call each. Block 0 is a
+zeroed null block that pads block tables. ``CacheLayer`` is what every cache-holding
+layer is: it declares its cache tensors as specs and reads its group's metadata.
 """
 from __future__ import annotations
-
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from lane import tracing
-from lane.tracing import Step
+from lane.attention.metadata import PagedAttentionMetadata, PrefillSpan, get_forward_context
+from lane.kv_cache_interface import FullAttentionSpec, KVCacheSpec
 from lane.model_executor.layers import cpu_kernels
-
-
-@dataclass
-class PrefillSpan:
-    query_start: int  # rows [query_start, query_end) of the flattened batch
-    query_end: int
-    num_computed: int  # tokens of this request already in the cache before the chunk
-    block_ids: torch.Tensor  # the request's blocks covering num_computed + chunk
-    state_slot: int = 0  # running-state slot (compressed attention)
-    fresh: bool = False  # the request's first chunk since admission: its running state starts here
-    window_block_ids: torch.Tensor | None = None  # its sliding-window group's table
-
-
-@dataclass
-class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] flat cache slot of each token (block * block_size + offset)
-    num_decodes: int = 0  # leading rows that are query-length-1 requests
-    decode_block_tables: torch.Tensor | None = None  # [B, max_blocks], null-padded
-    decode_context_lens: torch.Tensor | None = None  # [B] int32
-    decode_state_slots: list[int] | None = None  # [B] running-state slots (compressed attention)
-    window_slot_mapping: torch.Tensor | None = None  # [T] slots in the sliding-window group's pool
-    decode_window_tables: torch.Tensor | None = None  # [B, max_blocks] its block tables
-    prefills: list[PrefillSpan] = field(default_factory=list)
-
-
-_metadata: AttentionMetadata | None = None
-
-
-@contextmanager
-def set_attention_metadata(md: AttentionMetadata):
-    global _metadata
-    prev, _metadata = _metadata, md
-    try:
-        yield
-    finally:
-        _metadata = prev
-
-
-def get_attention_metadata() -> AttentionMetadata:
-    if _metadata is None:
-        raise RuntimeError("attention called outside a model-runner step")
-    return _metadata
+from lane.tracing import Step
 
 
 def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
@@ -86,31 +45,26 @@ def decode_attention_torch(q, k_cache, v_cache, block_tables, context_lens, scal
 
 
 class CacheLayer(nn.Module):
-    """A module that keeps per-token state in the paged cache (K/V, an MLA latent,
-    indexer keys). The runner allocates ``[num_blocks, *shape]`` for every entry of
-    ``cache_shapes`` and sets it as the attribute of that name; every cache layer
-    shares the requests' block tables."""
+    """A module that keeps state in the KV cache (K/V, an MLA latent, indexer keys,
+    compressed entries, running state). It declares one ``KVCacheSpec`` per cache tensor;
+    the runner allocates each tensor in its group's pool and binds it here, with the
+    group's index, which is where the layer finds its metadata each step."""
 
-    def cache_shapes(self, block_size: int) -> dict[str, tuple[int, ...]]:
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv_cache_group: dict[str, int] = {}  # cache tensor name -> its KV cache group
+
+    def kv_cache_specs(self, block_size: int, dtype: torch.dtype,
+                       enable_prefix_caching: bool) -> dict[str, KVCacheSpec]:
         raise NotImplementedError
 
-    def cache_dtype(self, name: str) -> torch.dtype | None:
-        """A cache tensor's dtype when it is not the model's."""
-        return None
+    def bind_kv_cache(self, name: str, tensor: torch.Tensor, group: int) -> None:
+        setattr(self, name, tensor)
+        self.kv_cache_group[name] = group
 
-    def cache_group(self, name: str) -> str:
-        """"full" (the main pool) or "window" (the sliding-window group's own pool)."""
-        return "full"
-
-    @property
-    def sliding_window(self) -> int:
-        """Tokens the window group keeps visible (0: this layer has no window group)."""
-        return 0
-
-    def state_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Per-request running state (float32), one slot per running request; most
-        layers keep none."""
-        return {}
+    def attn_metadata(self, name: str):
+        """This step's metadata of the group that holds cache tensor ``name``."""
+        return get_forward_context().attn_metadata[self.kv_cache_group[name]]
 
 
 class Attention(CacheLayer):
@@ -125,13 +79,14 @@ class Attention(CacheLayer):
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
-    def cache_shapes(self, block_size: int) -> dict[str, tuple[int, ...]]:
-        shape = (self.num_kv_heads, block_size, self.head_dim)
-        return {"k_cache": shape, "v_cache": shape}
+    def kv_cache_specs(self, block_size: int, dtype: torch.dtype,
+                       enable_prefix_caching: bool) -> dict[str, KVCacheSpec]:
+        spec = FullAttentionSpec(block_size, dtype, self.num_kv_heads, self.head_dim)
+        return {"k_cache": spec, "v_cache": spec}
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KV, D] -> [T, H*D]"""
-        md = get_attention_metadata()
+        md: PagedAttentionMetadata = self.attn_metadata("k_cache")
         kc, vc = self.k_cache, self.v_cache
         if kc.numel():  # step 24: K/V into their slots
             bs = kc.shape[2]
@@ -169,3 +124,19 @@ class Attention(CacheLayer):
         o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None],
                                            attn_mask=mask, is_causal=causal, scale=self.scale)
         return o[0].transpose(0, 1)
+
+
+def cache_layers(model: nn.Module) -> dict[str, CacheLayer]:
+    """The model's cache-holding modules by name, but those under the prefixes a model
+    lists in ``kv_cache_skip`` (layers its forward does not run, as DeepSeek's MTP layer)."""
+    skip = tuple(getattr(model, "kv_cache_skip", ()))
+    return {name: m for name, m in model.named_modules()
+            if isinstance(m, CacheLayer) and not name.startswith(skip)}
+
+
+def kv_cache_specs(model: nn.Module, block_size: int, dtype: torch.dtype,
+                   enable_prefix_caching: bool) -> dict[str, KVCacheSpec]:
+    """Every cache tensor's spec, named "<module>.<tensor>": what the engine allocates
+    and what `lane explain` reports."""
+    return {f"{name}.{attr}": spec for name, layer in cache_layers(model).items()
+            for attr, spec in layer.kv_cache_specs(block_size, dtype, enable_prefix_caching).items()}

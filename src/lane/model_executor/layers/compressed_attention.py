@@ -1,17 +1,17 @@
 """DeepSeek V4's attention cache: a sliding window of raw K=V tokens in every layer,
 plus compressed entries in CSA / HCA layers (seed steps 23-27).
 
-Per layer, in the paged pool (all indexed by the request's token block table;
-the block size is a multiple of every compression rate, so a block holds whole
-windows):
-- ``kv_cache`` [blocks, block_size, head_dim]: each token's K (= V).
-- ``entry_cache`` [blocks, block_size / rate, head_dim]: one pooled entry per
-  ``rate`` tokens, in *entry space* (entry w sits where token w * rate does).
-- CSA only: ``index_cache`` [blocks, block_size / rate, index_head_dim], the
-  lightning indexer's keys, and ``*_snap`` (float32): the running state at the
-  end of each block, so a prefix-cache hit can resume compression there.
-
-Per request, in a running-state slot (float32): the pending, not yet complete
+Per layer, in three KV cache groups (the block size is a multiple of every
+compression rate, so a block holds whole windows):
+- the sliding-window group: ``kv_cache`` [blocks, block_size, head_dim], each token's
+  K (= V); blocks no query can see any more are released.
+- the main group, kept for the whole context: ``entry_cache`` [blocks, block_size /
+  rate, head_dim], one pooled entry per ``rate`` tokens, in *entry space* (entry w
+  sits where token w * rate does); CSA only: ``index_cache`` [blocks, block_size /
+  rate, index_head_dim], the lightning indexer's keys, and, with prefix caching,
+  ``*_snap`` (float32): the running state at the end of each block, so a prefix-cache
+  hit can resume compression there.
+- the running-state group, per request (float32): the pending, not yet complete
 window, as online-softmax accumulators (running max, denominator and weighted
 sum per channel) instead of the raw rows: O(head_dim) state, exact up to
 rounding. HCA keeps one accumulator; CSA two, because its entries overlap: entry
@@ -24,6 +24,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from lane.attention.metadata import PagedAttentionMetadata, RunningStateMetadata
+from lane.kv_cache_interface import (BlockEdgeStateSpec, CompressedEntrySpec, IndexerKeySpec, KVCacheSpec,
+                                     RunningStateSpec, SlidingWindowSpec)
 from lane.model_executor.layers.attention import CacheLayer
 
 NEG_INF = float("-inf")
@@ -113,8 +116,26 @@ def compress_chunk(kv: torch.Tensor, gate: torch.Tensor, p0: int, rate: int, ove
     return ChunkCompression(pooled, w0, new_state, ca[:nc] if overlap else None)
 
 
+@dataclass
+class CompressedAttentionMetadata:
+    """One step as a V4 layer sees it, from its groups: the window group's (raw K=V),
+    the main group's (entries, indexer keys, snapshots) and the running-state group's."""
+    window: PagedAttentionMetadata
+    entries: PagedAttentionMetadata | None = None  # None: a sliding-only layer
+    state: RunningStateMetadata | None = None
+
+
+@dataclass
+class DecodeFold:
+    """Decode rows whose window this token closed, and their pooled accumulators."""
+    rows: torch.Tensor  # [r] row indices into the decode batch
+    done: torch.Tensor  # [r, 3, C]
+
+
 class V4AttentionCache(CacheLayer):
-    """One V4 layer's paged cache and running state (see the module docstring)."""
+    """One V4 layer's cache and running state, and their bookkeeping: where entries and
+    keys live, folding rows into the running state, snapshots at block edges. The model
+    (``deepseek_v4.py``) supplies the maths: projections, norms, rope, attention."""
 
     def __init__(self, layer_type: str, head_dim: int, window: int, rate: int = 0, index_head_dim: int = 0) -> None:
         super().__init__()
@@ -123,10 +144,11 @@ class V4AttentionCache(CacheLayer):
         self.head_dim = head_dim
         self.rate = rate
         self.index_head_dim = index_head_dim if layer_type == "compressed_sparse_attention" else 0
+        self.block_size = 0  # set with the specs
         self.kv_cache = torch.empty(0)
         self.entry_cache = torch.empty(0)
         self.index_cache = torch.empty(0)
-        self.entry_snap = torch.empty(0)
+        self.entry_snap = torch.empty(0)  # only with prefix caching
         self.index_snap = torch.empty(0)
         self.state = torch.empty(0)
         self.index_state = torch.empty(0)
@@ -135,90 +157,138 @@ class V4AttentionCache(CacheLayer):
     def sparse(self) -> bool:
         return self.index_head_dim > 0
 
-    def cache_shapes(self, block_size: int) -> dict[str, tuple[int, ...]]:
-        shapes = {"kv_cache": (block_size, self.head_dim)}
+    def kv_cache_specs(self, block_size: int, dtype: torch.dtype,
+                       enable_prefix_caching: bool) -> dict[str, KVCacheSpec]:
+        self.block_size = block_size
+        specs: dict[str, KVCacheSpec] = {"kv_cache": SlidingWindowSpec(block_size, dtype, self.head_dim, self.window)}
         if not self.rate:
-            return shapes
+            return specs
         if block_size % self.rate:
             raise ValueError(f"--block-size {block_size} must be a multiple of every compression rate "
                              f"(this model has {self.rate}); whole windows must fit in a block")
-        shapes["entry_cache"] = (block_size // self.rate, self.head_dim)
+        specs["entry_cache"] = CompressedEntrySpec(block_size, dtype, self.head_dim, self.rate)
+        specs["state"] = RunningStateSpec(block_size, torch.float32, (2, 3, self.head_dim))
         if self.sparse:
-            shapes["index_cache"] = (block_size // self.rate, self.index_head_dim)
-            shapes["entry_snap"] = (3, self.head_dim)
-            shapes["index_snap"] = (3, self.index_head_dim)
-        return shapes
+            specs["index_cache"] = IndexerKeySpec(block_size, dtype, self.index_head_dim, self.rate)
+            specs["index_state"] = RunningStateSpec(block_size, torch.float32, (2, 3, self.index_head_dim))
+            if enable_prefix_caching:  # what a hit resumes the overlapping windows from
+                specs["entry_snap"] = BlockEdgeStateSpec(block_size, torch.float32, self.head_dim)
+                specs["index_snap"] = BlockEdgeStateSpec(block_size, torch.float32, self.index_head_dim)
+        return specs
 
-    def cache_dtype(self, name: str) -> torch.dtype | None:
-        return torch.float32 if name.endswith("_snap") else None
+    def metadata(self) -> CompressedAttentionMetadata:
+        md = CompressedAttentionMetadata(self.attn_metadata("kv_cache"))
+        if self.rate:
+            md.entries, md.state = self.attn_metadata("entry_cache"), self.attn_metadata("state")
+        return md
 
-    def cache_group(self, name: str) -> str:
-        return "window" if name == "kv_cache" else "full"
+    def _entry_cache(self, which: str) -> torch.Tensor:
+        return self.entry_cache if which == "state" else self.index_cache
 
-    @property
-    def sliding_window(self) -> int:
-        return self.window
-
-    def state_shapes(self) -> dict[str, tuple[int, ...]]:
-        if not self.rate:
-            return {}
-        shapes = {"state": (2, 3, self.head_dim)}
-        if self.sparse:
-            shapes["index_state"] = (2, 3, self.index_head_dim)
-        return shapes
+    def _snap(self, which: str) -> torch.Tensor:
+        return self.entry_snap if which == "state" else self.index_snap
 
     # -- addressing ---------------------------------------------------------------
     # tables are one request's [blocks] with positions [L], or a batch's [B, blocks] with [B, L]
     def token_slots(self, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        bs = self.kv_cache.shape[1]
+        bs = self.block_size
         return table.gather(-1, positions // bs) * bs + positions % bs
 
     def entry_slots(self, table: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
-        per_block = self.entry_cache.shape[1]
+        bs, per_block = self.block_size, self.block_size // self.rate
         pos = windows * self.rate
-        return table.gather(-1, pos // self.kv_cache.shape[1]) * per_block + (pos % self.kv_cache.shape[1]) // self.rate
+        return table.gather(-1, pos // bs) * per_block + (pos % bs) // self.rate
+
+    def write_window(self, kv: torch.Tensor, md: CompressedAttentionMetadata) -> None:
+        """Every row's K=V into the window group's pool (step 24)."""
+        self.kv_cache.view(-1, self.head_dim)[md.window.slot_mapping] = kv.to(self.kv_cache.dtype)
 
     def window_keys(self, window_table: torch.Tensor, first: int, last: int) -> torch.Tensor:
         """Cached K=V of positions first .. last (the window group's table) -> [L, head_dim]"""
         return self.kv_cache.view(-1, self.head_dim)[self.token_slots(window_table, torch.arange(first, last + 1))]
 
-    def entries(self, cache: torch.Tensor, table: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
-        """Entries (of ``entry_cache`` or ``index_cache``) of windows [E] or [B, E] -> [..., C]"""
+    def decode_window_keys(self, window_tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """[B, L] positions of each decode's window -> [B, L, head_dim]"""
+        return self.kv_cache.view(-1, self.head_dim)[self.token_slots(window_tables, positions)]
+
+    def entries(self, which: str, table: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
+        """Entries ("state": the pooled KV, "index_state": the indexer's keys) of windows
+        [E] or [B, E] -> [..., C]"""
+        cache = self._entry_cache(which)
         return cache.view(-1, cache.shape[-1])[self.entry_slots(table, windows)]
 
-    def write_entries(self, cache: torch.Tensor, table: torch.Tensor, first_window: int, rows: torch.Tensor) -> None:
+    def write_entries(self, which: str, table: torch.Tensor, windows: torch.Tensor, rows: torch.Tensor) -> None:
+        """Entries of windows [E] (one request's table) or [B, 1] (a batch's tables)."""
         if rows.shape[0]:
-            windows = torch.arange(first_window, first_window + rows.shape[0])
-            cache.view(-1, cache.shape[-1])[self.entry_slots(table, windows)] = rows.to(cache.dtype)
+            cache = self._entry_cache(which)
+            slots = self.entry_slots(table, windows).reshape(-1)
+            cache.view(-1, cache.shape[-1])[slots] = rows.to(cache.dtype)
 
-    # -- running state --------------------------------------------------------------
-    def load_state(self, which: str, slot: int, p0: int, fresh: bool, table: torch.Tensor) -> torch.Tensor:
+    # -- running state: a prefill chunk ---------------------------------------------
+    def fold_prefill(self, which: str, kv: torch.Tensor, gate: torch.Tensor, overlap: bool,
+                     md: CompressedAttentionMetadata, i: int) -> ChunkCompression:
+        """Fold prefill chunk i's rows (float32, gate with its position bias) into its
+        request's running state; pools every window the chunk completes."""
+        span = md.entries.prefills[i]
+        slot, fresh = md.state.prefill_slots[i], md.state.prefill_fresh[i]
+        state = self._load_state(which, slot, span.num_computed, fresh, span.block_ids)
+        comp = compress_chunk(kv, gate, span.num_computed, self.rate, overlap, state)
+        getattr(self, which)[slot] = comp.state
+        if comp.closed_ca is not None and self._snap(which).numel():
+            snap = self._snap(which)
+            for k in range(comp.closed_ca.shape[0]):  # block edges this chunk crossed
+                end = (comp.first_window + k + 1) * self.rate
+                if end % self.block_size == 0:
+                    snap[span.block_ids[end // self.block_size - 1]] = comp.closed_ca[k]
+        return comp
+
+    def _load_state(self, which: str, slot: int, p0: int, fresh: bool, table: torch.Tensor) -> torch.Tensor:
         """The state a chunk starting at p0 continues from: empty at 0; after a
         prefix-cache hit, the snapshot taken at the end of the block before p0."""
         C = self.head_dim if which == "state" else self.index_head_dim
         if p0 == 0:
             return torch.stack((empty_acc(C), empty_acc(C)))
         if fresh:
-            snap = self.entry_snap if which == "state" else self.index_snap
-            bs = self.kv_cache.shape[1]
-            if p0 % bs:
+            if p0 % self.block_size:
                 raise RuntimeError(f"compressed-attention state restored at {p0}, not a block edge")
             state = torch.stack((empty_acc(C), empty_acc(C)))
             if self.sparse:
-                state[0] = snap[table[p0 // bs - 1]]
+                if not self._snap(which).numel():
+                    raise RuntimeError("a prefix-cache hit on compressed attention without block-edge snapshots")
+                state[0] = self._snap(which)[table[p0 // self.block_size - 1]]
             return state
         return getattr(self, which)[slot].clone()
 
-    def save_state(self, which: str, slot: int, comp: ChunkCompression, table: torch.Tensor) -> None:
-        getattr(self, which)[slot] = comp.state
-        if comp.closed_ca is None:
-            return
-        bs = self.kv_cache.shape[1]
-        snap = self.entry_snap if which == "state" else self.index_snap
-        for k in range(comp.closed_ca.shape[0]):  # block edges this chunk crossed
-            end = (comp.first_window + k + 1) * self.rate
-            if end % bs == 0:
-                snap[table[end // bs - 1]] = comp.closed_ca[k]
+    # -- running state: one token per decode ----------------------------------------
+    def fold_decode(self, which: str, kv: torch.Tensor, gate: torch.Tensor, positions: torch.Tensor,
+                    overlap: bool, md: CompressedAttentionMetadata) -> DecodeFold:
+        """Fold each decode's row [B, width] into its request's state; returns the rows
+        whose window this token closes, with their pooled accumulators."""
+        slots = md.state.decode_slots
+        state = getattr(self, which)[slots]  # [B, 2, 3, C]
+        if overlap:
+            C = kv.shape[1] // 2
+            cur = merge(state[:, 0], row_acc(kv[:, C:], gate[:, C:]))
+            nxt = merge(state[:, 1], row_acc(kv[:, :C], gate[:, :C]))
+        else:
+            cur, nxt = merge(state[:, 0], row_acc(kv, gate)), None
+        empty = empty_acc(cur.shape[-1])
+        new_state = torch.stack((cur, nxt if nxt is not None else torch.zeros_like(cur)), dim=1)
+        if nxt is None:
+            new_state[:, 1] = empty
+        rows = ((positions + 1) % self.rate == 0).nonzero().squeeze(1)
+        if rows.numel():
+            new_state[rows, 0] = nxt[rows] if nxt is not None else empty
+            new_state[rows, 1] = empty
+            snap = self._snap(which)
+            if nxt is not None and snap.numel():  # block edges: snapshot the state for prefix-cache hits
+                bs = self.block_size
+                edge = rows[(positions[rows] + 1) % bs == 0]
+                if edge.numel():
+                    tables = md.entries.decode_block_tables
+                    snap[tables[edge].gather(1, ((positions[edge] + 1) // bs - 1)[:, None])[:, 0]] = nxt[edge]
+        getattr(self, which)[slots] = new_state
+        return DecodeFold(rows, cur[rows])
 
 
 class V4RMSNorm(nn.Module):

@@ -21,7 +21,9 @@ import torch.nn as nn
 
 from lane import tracing
 from lane.tracing import Step
-from lane.model_executor.layers.attention import CacheLayer, gather_blocks, get_attention_metadata
+from lane.attention.metadata import PagedAttentionMetadata
+from lane.kv_cache_interface import IndexerKeySpec, KVCacheSpec
+from lane.model_executor.layers.attention import CacheLayer, gather_blocks
 from lane.model_executor.layers.linear import Linear
 from lane.model_executor.layers.rotary_embedding import RotaryEmbedding
 
@@ -52,12 +54,13 @@ class Indexer(CacheLayer):
         self._rotary = (rotary,)  # shared with the model, not a submodule of this one
         self.k_cache = torch.empty(0)
 
-    def cache_shapes(self, block_size: int) -> dict[str, tuple[int, ...]]:
-        return {"k_cache": (1, block_size, self.head_dim)}
+    def kv_cache_specs(self, block_size: int, dtype: torch.dtype,
+                       enable_prefix_caching: bool) -> dict[str, KVCacheSpec]:
+        return {"k_cache": IndexerKeySpec(block_size, dtype, self.head_dim)}
 
     def forward(self, rope, x: torch.Tensor, q_resid: torch.Tensor) -> SparseSelection:
         """x [T, hidden] (the layer's normed input), q_resid [T, q_lora_rank]."""
-        md = get_attention_metadata()
+        md: PagedAttentionMetadata = self.attn_metadata("k_cache")
         T = x.shape[0]
         q = self.wq_b(q_resid).view(T, self.n_heads, self.head_dim)
         k = self.k_norm(self.wk(x)).view(T, 1, self.head_dim)

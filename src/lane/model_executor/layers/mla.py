@@ -25,8 +25,9 @@ import torch.nn.functional as F
 from lane import tracing
 from lane.tracing import Step
 from lane.model_executor.layers import cpu_kernels
-from lane.model_executor.layers.attention import (CacheLayer, PrefillSpan, decode_attention_torch,
-                                                  gather_blocks, get_attention_metadata)
+from lane.attention.metadata import PagedAttentionMetadata, PrefillSpan
+from lane.kv_cache_interface import KVCacheSpec, MLAAttentionSpec
+from lane.model_executor.layers.attention import CacheLayer, decode_attention_torch, gather_blocks
 from lane.model_executor.layers.indexer import SparseSelection
 from lane.model_executor.layers.linear import Linear
 
@@ -45,8 +46,9 @@ class MLAAttention(CacheLayer):
         self._absorbed: tuple[torch.Tensor, torch.Tensor] | None = None
         self.kv_cache = torch.empty(0)
 
-    def cache_shapes(self, block_size: int) -> dict[str, tuple[int, ...]]:
-        return {"kv_cache": (1, block_size, self.kv_lora_rank + self.qk_rope_head_dim)}
+    def kv_cache_specs(self, block_size: int, dtype: torch.dtype,
+                       enable_prefix_caching: bool) -> dict[str, KVCacheSpec]:
+        return {"kv_cache": MLAAttentionSpec(block_size, dtype, self.kv_lora_rank + self.qk_rope_head_dim)}
 
     @property
     def kv_b_proj(self) -> Linear:
@@ -66,7 +68,7 @@ class MLAAttention(CacheLayer):
                 sparse: SparseSelection | None = None) -> torch.Tensor:
         """q_nope [T, H, nope], q_pe [T, H, rope] (roped), latent [T, kv_lora_rank]
         (normalised), k_pe [T, rope] (roped) -> [T, H * v_head_dim]"""
-        md = get_attention_metadata()
+        md: PagedAttentionMetadata = self.attn_metadata("kv_cache")
         T = q_nope.shape[0]
         entry = torch.cat((latent, k_pe), dim=-1)  # what one token keeps
         kc = self.kv_cache

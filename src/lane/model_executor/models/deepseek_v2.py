@@ -25,13 +25,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lane import tracing
+from lane import platform, tracing
 from lane.tracing import Step
 from lane.model_executor.layers.fused_moe import FusedMoE, fused_expert_name, grouped_topk
 from lane.model_executor.layers.indexer import Indexer
 from lane.model_executor.layers.layernorm import RMSNorm
 from lane.model_executor.layers.linear import Linear
-from lane.model_executor.layers.mla import MLAAttention
 from lane.model_executor.layers.rotary_embedding import RotaryEmbedding
 from lane.model_executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
 
@@ -75,7 +74,8 @@ class DeepseekV2MLAAttention(nn.Module):
         self.kv_b_proj = Linear(self.kv_lora_rank, H * (self.nope + self.v_head_dim), bias=False)
         self.o_proj = Linear(H * self.v_head_dim, hidden, bias=bias)
         self.rotary = rotary
-        self.attn = MLAAttention(H, self.kv_lora_rank, self.nope, self.rope_dim, self.v_head_dim,
+        attn_cls = platform.select_attention_backend(config).backend.get_impl_cls()  # mla / sparse_mla
+        self.attn = attn_cls(H, self.kv_lora_rank, self.nope, self.rope_dim, self.v_head_dim,
                                  mla_softmax_scale(config), self.kv_b_proj)
         self.indexer = (Indexer(hidden, self.q_lora_rank, config.index_n_heads, config.index_head_dim,
                                 config.index_topk, rotary) if use_indexer else None)
@@ -190,13 +190,11 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         self.stacked_params = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
         if getattr(config, "q_lora_rank", None):
             self.stacked_params.update(q_a_proj=("fused_qkv_a_proj", 0), kv_a_proj_with_mqa=("fused_qkv_a_proj", 1))
+        # the MTP layer is loaded, not run (yet): it keeps no cache
+        self.kv_cache_skip = ("mtp.",)
         n_mtp = getattr(config, "num_nextn_predict_layers", 0) or 0
         self.mtp = nn.ModuleList(DeepseekMTPLayer(config, self.model.rotary, config.num_hidden_layers + i)
                                  for i in range(n_mtp))
-
-    def kv_cache_layers(self) -> list[nn.Module]:
-        attns = [layer.self_attn for layer in self.model.layers]
-        return [a.attn for a in attns] + [a.indexer for a in attns if a.indexer is not None]
 
     def moe_layers(self) -> dict[int, FusedMoE]:
         return {i: layer.mlp.experts for i, layer in enumerate(self.model.layers)

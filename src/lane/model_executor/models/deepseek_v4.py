@@ -23,12 +23,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lane import tracing
+from lane import platform, tracing
 from lane.tracing import Step
-from lane.model_executor.layers.attention import get_attention_metadata
 from lane.model_executor.layers.compressed_attention import (V4AttentionCache, V4RMSNorm, attend_with_sinks,
-                                                             compress_chunk, empty_acc,
-                                                             merge, rope_tail, row_acc, unweighted_rms_norm)
+                                                             rope_tail, unweighted_rms_norm)
 from lane.model_executor.layers.fused_moe import FusedMoE, fused_expert_name
 from lane.model_executor.layers import cpu_kernels
 from lane.model_executor.layers.linear import Linear, linear
@@ -113,12 +111,14 @@ class DeepseekV4Attention(nn.Module):
         self.compressor = (Compressor(config.hidden_size, d, rate, self.layer_type == CSA, self.eps)
                            if rate else None)
         self.indexer = CSAIndexer(config, rate) if self.layer_type == CSA else None
-        self.cache = V4AttentionCache(self.layer_type, d, self.window, rate, config.index_head_dim)
+        cache_cls = platform.select_attention_backend(config).backend.get_impl_cls()  # compressed
+        self.cache: V4AttentionCache = cache_cls(self.layer_type, d, self.window, rate, config.index_head_dim)
         self._rope = (rope,)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         T, H, d = x.shape[0], self.num_heads, self.head_dim
-        md = get_attention_metadata()
+        cache = self.cache
+        md = cache.metadata()
         cos, sin = self._rope[0].cos_sin(self.rope_kind, positions)
         q_res = self.q_norm(self.wq_a(x))
         q = rope_tail(unweighted_rms_norm(self.wq_b(q_res).view(T, H, d), self.eps), cos[:, None], sin[:, None])
@@ -126,16 +126,15 @@ class DeepseekV4Attention(nn.Module):
         mark = tracing.forward_mark()
         lt = {"layer_type": self.layer_type}
         mark(Step.MODEL_QKV_PROJ, **lt)
-        cache = self.cache
-        cache.kv_cache.view(-1, d)[md.window_slot_mapping] = kv.to(cache.kv_cache.dtype)
+        cache.write_window(kv, md)
         mark(Step.OPS_KV_WRITE, **lt)
         out = torch.empty_like(q)
-        nd = md.num_decodes
+        nd = md.window.num_decodes
         if nd:  # decodes: one batched pass
             out[:nd] = self._decode(x[:nd], q[:nd], q_res[:nd], positions[:nd], md, mark, lt)
-        for span in md.prefills:  # prefill chunks: one request at a time
+        for i, span in enumerate(md.window.prefills):  # prefill chunks: one request at a time
             rows = slice(span.query_start, span.query_end)
-            out[rows] = self._prefill(x[rows], q[rows], q_res[rows], positions[rows], span, mark, lt)
+            out[rows] = self._prefill(x[rows], q[rows], q_res[rows], positions[rows], md, i, mark, lt)
         out = rope_tail(out, cos[:, None], -sin[:, None])  # V carried rope: undo it at the query position
         g = self.o_groups
         w = self.wo_a.weight.view(g, -1, H * d // g)
@@ -144,27 +143,29 @@ class DeepseekV4Attention(nn.Module):
         mark(Step.COMM_ATTN_REDUCE, **lt)
         return out
 
-    def _prefill(self, x, q, q_res, pos, span, mark, lt) -> torch.Tensor:
-        """One request's chunk: fold it into the running state (emitting the entries of
-        the windows it completes), then attention over [window ; entries]."""
-        cache, p0, table, n = self.cache, span.num_computed, span.block_ids, x.shape[0]
+    def _prefill(self, x, q, q_res, pos, md, i, mark, lt) -> torch.Tensor:
+        """Prefill chunk i (one request): fold it into the running state (emitting the
+        entries of the windows it completes), then attention over [window ; entries]."""
+        cache, n = self.cache, x.shape[0]
+        p0 = md.window.prefills[i].num_computed
         n_entries = 0
         if self.compressor is not None:  # step 23: this chunk's windows into entries
-            n_entries = self._compress(self.compressor, "state", cache.entry_cache, x, pos, span)
+            n_entries = self._compress(self.compressor, "state", x, pos, md, i)
             if self.indexer is not None:
-                self._compress(self.indexer.compressor, "index_state", cache.index_cache, x, pos, span)
+                self._compress(self.indexer.compressor, "index_state", x, pos, md, i)
             mark(Step.MODEL_QKV_PROJ, **lt)
         first = max(0, p0 - self.window + 1)
-        keys = cache.window_keys(span.window_block_ids, first, p0 + n - 1)
+        keys = cache.window_keys(md.window.prefills[i].block_ids, first, p0 + n - 1)
         kpos = torch.arange(first, p0 + n)
         allowed = (kpos[None, :] <= pos[:, None]) & (kpos[None, :] > pos[:, None] - self.window)
         if n_entries:
+            table = md.entries.prefills[i].block_ids
             visible = torch.arange(n_entries)[None, :] < ((pos + 1) // self.compressor.rate)[:, None]
             if self.indexer is not None:  # step 25: top-k entries per query
-                keys_i = cache.entries(cache.index_cache, table, torch.arange(n_entries))
+                keys_i = cache.entries("index_state", table, torch.arange(n_entries))
                 visible &= self._select(x, q_res, pos, keys_i, visible)
                 mark(Step.MODEL_INDEXER_TOPK, **lt)
-            keys = torch.cat((keys, cache.entries(cache.entry_cache, table, torch.arange(n_entries))))
+            keys = torch.cat((keys, cache.entries("state", table, torch.arange(n_entries))))
             allowed = torch.cat((allowed, visible), dim=1)
         out = attend_with_sinks(q, keys.to(q.dtype), allowed, self.attn_sink, self.head_dim ** -0.5)
         mark(Step.OPS_ATTENTION, **lt)
@@ -174,82 +175,55 @@ class DeepseekV4Attention(nn.Module):
         """All decode rows at once: one token each folds into its request's running state
         (closing a window emits an entry), then attention over [window ; entries]."""
         cache, B = self.cache, x.shape[0]
-        tables, wtables = md.decode_block_tables, md.decode_window_tables
-        slots = torch.tensor(md.decode_state_slots)
         n_entries = torch.zeros(B, dtype=torch.long)
         if self.compressor is not None:
-            n_entries = self._decode_compress(self.compressor, "state", cache.entry_cache, x, pos, tables, slots)
+            n_entries = self._decode_compress(self.compressor, "state", x, pos, md)
             if self.indexer is not None:
-                self._decode_compress(self.indexer.compressor, "index_state", cache.index_cache, x, pos, tables,
-                                      slots)
+                self._decode_compress(self.indexer.compressor, "index_state", x, pos, md)
             mark(Step.MODEL_QKV_PROJ, **lt)
         kpos = pos[:, None] - torch.arange(self.window - 1, -1, -1)[None, :]  # [B, W]: p - W + 1 .. p
         allowed = kpos >= 0
-        keys = cache.kv_cache.view(-1, self.head_dim)[cache.token_slots(wtables, kpos.clamp(min=0))]
+        keys = cache.decode_window_keys(md.window.decode_block_tables, kpos.clamp(min=0))
         E = int(n_entries.max()) if self.compressor is not None else 0
         if E:
+            tables = md.entries.decode_block_tables
             windows = torch.arange(E).expand(B, E)
             visible = windows < n_entries[:, None]
             if self.indexer is not None:
-                keys_i = cache.entries(cache.index_cache, tables, windows)
+                keys_i = cache.entries("index_state", tables, windows)
                 visible &= self._select(x, q_res, pos, keys_i, visible)
                 mark(Step.MODEL_INDEXER_TOPK, **lt)
-            entries = cache.entries(cache.entry_cache, tables, windows)
-            keys = torch.cat((keys, entries), dim=1)
+            keys = torch.cat((keys, cache.entries("state", tables, windows)), dim=1)
             allowed = torch.cat((allowed, visible), dim=1)
         out = attend_with_sinks(q, keys.to(q.dtype), allowed, self.attn_sink, self.head_dim ** -0.5)
         mark(Step.OPS_ATTENTION, **lt)
         return out
 
-    def _decode_compress(self, comp: Compressor, which: str, entry_cache, x, pos, tables, slots) -> torch.Tensor:
-        """One row per request into its state; entries for the windows that close."""
-        cache, m = self.cache, comp.rate
-        kv, gate = comp.project(x, pos)  # [B, width]
-        state = getattr(cache, which)[slots]  # [B, 2, 3, C]
-        if comp.overlap:
-            C = kv.shape[1] // 2
-            cur = merge(state[:, 0], row_acc(kv[:, C:], gate[:, C:]))
-            nxt = merge(state[:, 1], row_acc(kv[:, :C], gate[:, :C]))
-        else:
-            cur, nxt = merge(state[:, 0], row_acc(kv, gate)), None
-        closes = (pos + 1) % m == 0
-        new_state = torch.stack((cur, nxt if nxt is not None else torch.zeros_like(cur)), dim=1)
-        empty = empty_acc(cur.shape[-1])
-        if nxt is None:
-            new_state[:, 1] = empty
-        if bool(closes.any()):
-            rows = closes.nonzero().squeeze(1)
-            done = cur[rows]
-            entries = comp.norm(done[:, 2] / done[:, 1])
-            w = pos[rows] // m
-            cos, sin = self._rope[0].cos_sin("compress", w * m)
-            entry_cache.view(-1, entry_cache.shape[-1])[cache.entry_slots(tables[rows], w[:, None])[:, 0]] = \
-                rope_tail(entries, cos, sin).to(entry_cache.dtype)
-            new_state[rows, 0] = nxt[rows] if nxt is not None else empty
-            new_state[rows, 1] = empty
-            if nxt is not None:  # block edges: snapshot the state for prefix-cache hits
-                bs = cache.kv_cache.shape[1]
-                edge = rows[(pos[rows] + 1) % bs == 0]
-                if edge.numel():
-                    snap = cache.entry_snap if which == "state" else cache.index_snap
-                    blocks = tables[edge].gather(1, ((pos[edge] + 1) // bs - 1)[:, None])[:, 0]
-                    snap[blocks] = nxt[edge]
-        getattr(cache, which)[slots] = new_state
-        return (pos + 1) // m
+    def _entries(self, comp: Compressor, pooled: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
+        """Pooled windows -> entries: normed, roped at their first position."""
+        cos, sin = self._rope[0].cos_sin("compress", windows * comp.rate)
+        return rope_tail(comp.norm(pooled), cos, sin)
 
-    def _compress(self, comp: Compressor, which: str, entry_cache, x, pos, span) -> int:
-        """Fold a request's rows into its running state, write the entries this chunk
+    def _decode_compress(self, comp: Compressor, which: str, x, pos, md) -> torch.Tensor:
+        """One row per request into its state; entries for the windows that close.
+        Returns how many entries each request has now."""
+        kv, gate = comp.project(x, pos)  # [B, width]
+        fold = self.cache.fold_decode(which, kv, gate, pos, comp.overlap, md)
+        if fold.rows.numel():
+            w = pos[fold.rows] // comp.rate
+            entries = self._entries(comp, fold.done[:, 2] / fold.done[:, 1], w)
+            self.cache.write_entries(which, md.entries.decode_block_tables[fold.rows], w[:, None], entries)
+        return (pos + 1) // comp.rate
+
+    def _compress(self, comp: Compressor, which: str, x, pos, md, i: int) -> int:
+        """Fold prefill chunk i into its request's running state, write the entries it
         completes; returns how many entries the request has now."""
-        cache, p0, table, slot = self.cache, span.num_computed, span.block_ids, span.state_slot
         kv, gate = comp.project(x, pos)
-        state = cache.load_state(which, slot, p0, span.fresh, table)
-        res = compress_chunk(kv, gate, p0, comp.rate, comp.overlap, state)
+        res = self.cache.fold_prefill(which, kv, gate, comp.overlap, md, i)
         if res.pooled.shape[0]:
-            entries = comp.norm(res.pooled)
-            epos = torch.arange(res.first_window, res.first_window + entries.shape[0]) * comp.rate
-            cos, sin = self._rope[0].cos_sin("compress", epos)
-            cache.write_entries(entry_cache, table, res.first_window, rope_tail(entries, cos, sin))
-        cache.save_state(which, slot, res, table)
+            windows = torch.arange(res.first_window, res.first_window + res.pooled.shape[0])
+            self.cache.write_entries(which, md.entries.prefills[i].block_ids, windows,
+                                     self._entries(comp, res.pooled, windows))
         return int(pos[-1] + 1) // comp.rate
 
     def _select(self, x, q_res, pos, keys, visible) -> torch.Tensor:
@@ -453,9 +427,6 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(hidden)
-
-    def kv_cache_layers(self) -> list[V4AttentionCache]:
-        return [layer.attn.cache for layer in self.layers]
 
     def moe_layers(self) -> dict[int, FusedMoE]:
         return {i: layer.ffn.experts for i, layer in enumerate(self.layers)}

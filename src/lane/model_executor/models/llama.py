@@ -11,10 +11,9 @@ from typing import Iterable
 import torch
 import torch.nn as nn
 
-from lane import tracing
+from lane import platform, tracing
 from lane.tracing import Step
 from lane.model_executor.layers.activation import silu_and_mul
-from lane.model_executor.layers.attention import Attention
 from lane.model_executor.layers.layernorm import RMSNorm
 from lane.model_executor.layers.linear import Linear
 from lane.model_executor.layers.rotary_embedding import RotaryEmbedding
@@ -49,7 +48,8 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.rotary = rotary
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
+        attn_cls = platform.select_attention_backend(config).backend.get_impl_cls()  # paged_sdpa by default
+        self.attn = attn_cls(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
 
     def forward(self, rope, x: torch.Tensor) -> torch.Tensor:
         T = x.shape[0]
@@ -138,9 +138,6 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
-
-    def kv_cache_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy checkpoint tensors (HF names) in, fusing q/k/v and gate/up."""
