@@ -278,6 +278,40 @@ def boom():
     raise RuntimeError("platform probe exploded")
 '''
 
+# a platform that picks its own attention backend: dense paged attention whose layer
+# counts its calls and always takes the plain-torch decode path
+PLUGIN_BACKEND = '''
+from lane.attention.backends import PagedSDPABackend
+from lane.model_executor.layers import attention
+from lane.platform import AttentionBackendChoice, Platform
+
+CALLS = []
+
+
+class TorchPagedAttention(attention.Attention):
+    def forward(self, q, k, v):
+        CALLS.append(q.shape[0])
+        usable, attention.cpu_kernels.usable = attention.cpu_kernels.usable, lambda t: False
+        try:
+            return super().forward(q, k, v)
+        finally:
+            attention.cpu_kernels.usable = usable
+
+
+class TorchPagedBackend(PagedSDPABackend):
+    name = "torch_paged"
+    impl = "fake_lane_plugin.backend:TorchPagedAttention"
+
+
+class BackendPlatform(Platform):
+    def get_attn_backend(self, hf_config):
+        return AttentionBackendChoice("fake_lane_plugin.backend:TorchPagedBackend", "the plugin platform's choice")
+
+
+def present():
+    return "fake_lane_plugin.backend:BackendPlatform"
+'''
+
 DEFAULT_GENERAL = {"fake": "fake_lane_plugin:register"}
 DEFAULT_PLATFORM = {"fake_present": "fake_lane_plugin.platforms:present",
                     "fake_absent": "fake_lane_plugin.platforms:absent"}
@@ -290,6 +324,7 @@ def make_plugin_dist(root, general=DEFAULT_GENERAL, platform=DEFAULT_PLATFORM):
     (pkg / "__init__.py").write_text(PLUGIN_INIT)
     (pkg / "model.py").write_text(PLUGIN_MODEL)
     (pkg / "platforms.py").write_text(PLUGIN_PLATFORMS)
+    (pkg / "backend.py").write_text(PLUGIN_BACKEND)
     dist = root / "fake_lane_plugin-0.1.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: fake-lane-plugin\nVersion: 0.1\n")
@@ -451,3 +486,36 @@ def test_plugin_model_class_used_by_llm(tmp_path, tiny_llama_dir):
     assert all(0 <= t < 49152 for t in out["token_ids"])
     assert out["finish_reason"] == "length"
     assert PLUGIN_WARNING in err
+
+
+def test_platform_plugin_swaps_the_attention_backend(tmp_path, tiny_llama_dir):
+    """A platform plugin's Platform subclass chooses the backend: its layer class is the one
+    the model runs, traces and `lane explain` name it, and greedy tokens stay the same."""
+    from lane import LLM, SamplingParams
+
+    root = make_plugin_dist(tmp_path / "site", general={}, platform={"backend": "fake_lane_plugin.backend:present"})
+    code = textwrap.dedent(f"""
+        import json
+        from lane import LLM, SamplingParams
+        from lane.entrypoints.explain import explain
+        from lane.platform import current_platform
+        llm = LLM({str(tiny_llama_dir)!r}, dtype="float32", kv_cache_memory_bytes=64 << 20, show_progress=False)
+        out = llm.generate({{"prompt_token_ids": list(range(5, 45))}}, SamplingParams(max_tokens=8, temperature=0),
+                           use_tqdm=False)
+        from fake_lane_plugin import backend
+        attn = llm.engine.worker.model.model.layers[0].self_attn.attn
+        print(json.dumps({{"platform": type(current_platform()).__name__, "layer": type(attn).__name__,
+                          "calls": len(backend.CALLS), "trace": llm.engine.worker.runner.attention_attrs[27],
+                          "explain": explain({str(tiny_llama_dir)!r}, "float32", 16, 64 << 20),
+                          "tokens": list(out[0].outputs[0].token_ids)}}))
+    """)
+    out, _ = run_python(code, root, timeout=300)
+    assert out["platform"] == "BackendPlatform" and out["layer"] == "TorchPagedAttention"
+    assert out["calls"] >= 2 * 8  # every layer, every step
+    assert out["trace"] == {"backend": "torch_paged", "why": "the plugin platform's choice"}
+    assert "backend: torch_paged (the plugin platform's choice)" in out["explain"]
+    llm = LLM(str(tiny_llama_dir), dtype="float32", kv_cache_memory_bytes=64 << 20, show_progress=False)
+    assert type(llm.engine.worker.model.model.layers[0].self_attn.attn).__name__ == "Attention"
+    ref = llm.generate({"prompt_token_ids": list(range(5, 45))}, SamplingParams(max_tokens=8, temperature=0),
+                       use_tqdm=False)
+    assert out["tokens"] == list(ref[0].outputs[0].token_ids)
