@@ -283,7 +283,7 @@ def test_gguf_file_matches_gguf_reader():
     import numpy as np
 
     from lane.config import default_model_path
-    from lane.model_executor.loader.gguf_file import GGUFFile
+    from lane.transformers_utils.gguf_file import GGUFFile
 
     path = default_model_path()
     ours, ref = GGUFFile(path), gguf.GGUFReader(path)

@@ -23,11 +23,13 @@ def free_port() -> int:
 
 class RemoteServer:
     def __init__(self, args: list[str], env: dict[str, str] | None = None, timeout_s: float = 240.0,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, launcher: list[str] | None = None) -> None:
+        """``launcher``: the command line before ``serve`` (default: python -m lane.entrypoints.cli)."""
         self.port = free_port()
         self.api_key = api_key
         self.log = tempfile.NamedTemporaryFile("w+", prefix="lane-serve-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "lane.entrypoints.cli", "serve", "--port", str(self.port), *args]
+        launcher = launcher or [sys.executable, "-m", "lane.entrypoints.cli"]
+        cmd = [*launcher, "serve", "--port", str(self.port), *args]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
                                      env={**os.environ, "LANE_LOGGING_LEVEL": "INFO", **(env or {})})
         self._wait_healthy(timeout_s)

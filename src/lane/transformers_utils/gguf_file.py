@@ -2,10 +2,13 @@
 
 ``gguf.GGUFReader`` builds a numpy view per metadata element, which takes
 seconds for a 49k-token vocabulary; reading the same bytes with ``struct``
-takes milliseconds. Tensor data stays a zero-copy view into the map.
+takes milliseconds. Tensor data stays a zero-copy view into the map. Only numpy
+here (and the gguf package's size tables): the API server and the bench client read
+a GGUF's config and tokenizer through it without loading any model code.
 """
 from __future__ import annotations
 
+import functools
 import mmap
 import struct
 from dataclasses import dataclass
@@ -90,3 +93,14 @@ class GGUFFile:
         n = int(np.prod(dims, dtype=np.int64)) if dims else 1
         nbytes = n // block * type_size
         return np.frombuffer(self._map, dtype=np.uint8, count=nbytes, offset=start)
+
+
+@functools.lru_cache(maxsize=4)
+def open_gguf(path: str) -> GGUFFile:
+    """Parsed once per process."""
+    return GGUFFile(path)
+
+
+def gguf_field(reader: GGUFFile, key: str, default=None):
+    """One metadata value of a GGUF file, or ``default`` when it has none."""
+    return reader.metadata.get(key, default)
