@@ -43,15 +43,23 @@ def get_kv_cache_config(groups: list[KVCacheGroupSpec], budget: int, max_num_seq
     if sum(g.kind == FULL for g in groups) != 1:
         raise ValueError(f"a model needs exactly one full-attention KV cache group, got "
                          f"{[g.kind for g in groups]}")
+
+    def window_pool(g: KVCacheGroupSpec, b: int) -> int:
+        """Blocks of a sliding-window group's pool at budget ``b`` (not fewer as b grows)."""
+        most, fewest = window_blocks_needed(g.sliding_window, g.block_size, max_num_seqs,
+                                            max_num_batched_tokens)
+        return max(fewest, min(most, b // 2 // g.page_size_bytes))
+
+    def window_bytes(b: int) -> int:
+        return sum(window_pool(g, b) * g.page_size_bytes for g in groups if g.kind == SLIDING_WINDOW)
+
     num_blocks = [0] * len(groups)
     rest = budget
     for i, g in enumerate(groups):
         if g.kind == STATE:
             num_blocks[i] = max_num_seqs + 1
         elif g.kind == SLIDING_WINDOW:
-            most, fewest = window_blocks_needed(g.sliding_window, g.block_size, max_num_seqs,
-                                                max_num_batched_tokens)
-            num_blocks[i] = max(fewest, min(most, budget // 2 // g.page_size_bytes))
+            num_blocks[i] = window_pool(g, budget)
             rest -= num_blocks[i] * g.page_size_bytes
     main = next(i for i, g in enumerate(groups) if g.kind == FULL)
     per_block = groups[main].page_size_bytes
@@ -61,10 +69,15 @@ def get_kv_cache_config(groups: list[KVCacheGroupSpec], budget: int, max_num_seq
     need = -(-max_model_len // block_size) + 1 if max_model_len else 0
     if num_blocks[main] < need:
         window = sum(config.group_bytes(i) for i, g in enumerate(groups) if g.kind == SLIDING_WINDOW)
+        # the least budget whose main pool holds `need` blocks: a larger budget also enlarges
+        # the window pools, so iterate to the fixed point (window_bytes does not decrease)
+        least = need * per_block
+        while need * per_block + window_bytes(least) > least:
+            least = need * per_block + window_bytes(least)
         raise ValueError(
             f"KV cache budget {budget / 2**20:.1f} MiB holds {num_blocks[main]} blocks of "
             f"{block_size} tokens ({per_block} B each"
             + (f", after {window} B for the sliding-window pool" if window else "")
             + f"), but one request of max_model_len {max_model_len} needs {need}; raise "
-            f"--kv-cache-memory-bytes to at least {need * per_block + window} or lower --max-model-len")
+            f"--kv-cache-memory-bytes to at least {least} or lower --max-model-len")
     return config
