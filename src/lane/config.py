@@ -17,6 +17,9 @@ from lane.transformers_utils.model_path import (DEFAULT_GGUF, default_model_path
 from lane.transformers_utils.tokenizer import get_tokenizer
 
 
+QUANTIZATIONS = ("auto", "none")
+
+
 @dataclass
 class ModelConfig:
     model: str | None = None  # HF directory or .gguf file; None = embedded default
@@ -24,8 +27,12 @@ class ModelConfig:
     max_model_len: int | None = None
     seed: int = 0
     device: str | None = None
+    # auto: a GGUF's Q4_0 / Q4_1 / Q8_0 weights stay in their blocks; none: dequantized at load
+    quantization: str = "none"
 
     def __post_init__(self) -> None:
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"--quantization {self.quantization!r} is not one of {', '.join(QUANTIZATIONS)}")
         self.model, self.model_dir, self.gguf_file = resolve_model_path(self.model)
         self.device_type = torch.device(self.device) if self.device else platform.default_device()
         if self.device_type.type == "cpu":
@@ -163,11 +170,13 @@ class EngineArgs:
     seed: int = 0
     threads: int | None = None
     show_progress: bool = True
+    quantization: str = "none"
     enable_tracing: bool = False  # record the seed's steps as spans (lane serve --trace)
     trace_layers: bool = False  # one span per layer, not per forward
 
     def create_model_config(self) -> ModelConfig:
-        return ModelConfig(self.model, dtype=self.dtype, max_model_len=self.max_model_len, seed=self.seed)
+        return ModelConfig(self.model, dtype=self.dtype, max_model_len=self.max_model_len, seed=self.seed,
+                           quantization=self.quantization)
 
     def create_engine_config(self, model_config: ModelConfig | None = None) -> EngineConfig:
         model_config = model_config or self.create_model_config()

@@ -37,7 +37,7 @@ from lane import platform
 logger = logging.getLogger(__name__)
 
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
-_SOURCES = ("paged_attention.cpp", "gemv.cpp", "elementwise.cpp", "dequant.cpp", "module.cpp")
+_SOURCES = ("paged_attention.cpp", "gemv.cpp", "elementwise.cpp", "dequant.cpp", "quant_linear.cpp", "module.cpp")
 _SOURCE_CFLAGS = {"dequant.cpp": ["-ffp-contract=off"]}  # round as the numpy reference does
 _HEADERS = ("common.h",)
 # no -ffast-math: its finite-math-only would fold the kernels' -inf checks away
@@ -268,3 +268,37 @@ def dequant_ggml(blocks, kind: str, dtype: torch.dtype) -> torch.Tensor:
     _lib.lane_dequant_ggml(blocks.ctypes.data, code, nblocks, out.data_ptr(), _DTYPE_CODES[dtype],
                            torch.get_num_threads())
     return out
+
+
+def quantize_rows_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] (K a multiple of 32) -> 8-bit blocks: q [M, K] int8, d and s [M, K / 32] fp32
+    (s = d * sum of the block's q)."""
+    x = x.contiguous()
+    M, K = x.shape
+    q = torch.empty(M, K, dtype=torch.int8)
+    d = torch.empty(M, K // 32)
+    s = torch.empty(M, K // 32)
+    _lib.lane_quantize_rows_q8(x.data_ptr(), _DTYPE_CODES[x.dtype], q.data_ptr(), d.data_ptr(), s.data_ptr(), M, K)
+    return q, d, s
+
+
+def quant_block_dots(qx: torch.Tensor, blocks: torch.Tensor, kind: str, N: int) -> torch.Tensor:
+    """int32 dot products of every input row's and weight row's blocks: [M, N, K / 32]."""
+    M, K = qx.shape
+    dots = torch.empty(M, N, K // 32, dtype=torch.int32)
+    _lib.lane_quant_block_dots(qx.data_ptr(), blocks.data_ptr(), GGML_KINDS[kind][0], dots.data_ptr(), M, N, K)
+    return dots
+
+
+def quant_linear(x: torch.Tensor, blocks: torch.Tensor, kind: str, N: int, bias: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+    """x [M, K] @ W^T with W [N, K] as GGUF blocks of kind (uint8 [N, K / 32 * block bytes]) -> [M, N]
+    in x's dtype. x is quantized to 8-bit blocks once per call."""
+    q, d, s = quantize_rows_q8(x)
+    M, K = x.shape
+    y = torch.empty(M, N, dtype=x.dtype)
+    b = None if bias is None else bias.float().contiguous()
+    _lib.lane_quant_linear(q.data_ptr(), d.data_ptr(), s.data_ptr(), blocks.data_ptr(), GGML_KINDS[kind][0],
+                           None if b is None else b.data_ptr(), y.data_ptr(), _DTYPE_CODES[x.dtype], M, N, K,
+                           torch.get_num_threads())
+    return y

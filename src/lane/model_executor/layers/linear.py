@@ -12,6 +12,9 @@ on every CPU.
   bf16 / fp16 storage, fp32 math, as vLLM's CPU build runs bf16 on AVX2. Up to
   ``UPCAST_ROWS`` rows the small-M kernel reads the weight as stored; above, the
   weight is widened per call and fp32 GEMM runs.
+- GGUF Q4_0 / Q4_1 / Q8_0 weights kept in their blocks (``--quantization auto``): up to
+  ``QUANT_ROWS`` rows, the integer kernel (each row quantized to 8-bit blocks once per
+  call); above, the weight dequantized for the call and the dense path.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from lane.model_executor.layers import cpu_kernels
 
 SMALL_M = 2
 UPCAST_ROWS = 32
+QUANT_ROWS = 16  # quantized weights: the integer kernel up to this many rows
 _PACK_BATCH_HINT = 64
 
 
@@ -39,20 +43,53 @@ def fast_cpu_gemm(dtype: torch.dtype) -> bool:
 
 class Linear(nn.Linear):
     packed_weight: torch.Tensor | None = None
+    # GGUF blocks kept as they are (Q4_0 / Q4_1 / Q8_0): uint8 [out_features, row bytes]
+    qweight: torch.Tensor | None = None
+    qkind: str | None = None
+
+    def load_quantized(self, kind: str, blocks: torch.Tensor, row_offset: int = 0) -> None:
+        """Take GGUF blocks for rows [row_offset, row_offset + len(blocks)) of the weight
+        (a fused layer gets its parts one by one); the dense weight is dropped."""
+        if self.qweight is None and row_offset == 0 and blocks.shape[0] == self.out_features:
+            self.qweight, self.qkind, self.weight = blocks, kind, None  # the whole weight: kept as given
+            return
+        if self.qweight is None:
+            self.qweight = torch.empty(self.out_features, blocks.shape[1], dtype=torch.uint8)
+            self.qkind = kind
+            self.weight = None  # its memory goes; forward reads the blocks
+        if kind != self.qkind or blocks.shape[1] != self.qweight.shape[1]:
+            raise ValueError(f"one fused layer mixes {self.qkind} and {kind} blocks; load it with "
+                             f"--quantization none")
+        self.qweight[row_offset:row_offset + blocks.shape[0]] = blocks
 
     def prepack(self) -> bool:
         """Pack the weight for oneDNN; only bf16 on a CPU whose oneDNN runs bf16 benefits."""
         w = self.weight
-        if (w.device.type != "cpu" or w.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available()
+        if w is None or (w.device.type != "cpu" or w.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available()
                 or not fast_cpu_gemm(torch.bfloat16)):
             return False
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(w.detach(), _PACK_BATCH_HINT)
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qweight is not None:
+            return self._quantized(x)
         if self.packed_weight is not None and x.dim() == 2 and x.shape[0] > SMALL_M:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         return linear(x, self.weight, self.bias)
+
+
+    def _quantized(self, x: torch.Tensor) -> torch.Tensor:
+        """Decode and verify rows: the integer kernel on the blocks; more rows (prefill):
+        the weight dequantized for this call, then the dense path."""
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if x2.shape[0] <= QUANT_ROWS and cpu_kernels.usable(x2):
+            y = cpu_kernels.quant_linear(x2, self.qweight, self.qkind, self.out_features, self.bias)
+        else:
+            w = cpu_kernels.dequant_ggml(self.qweight.numpy(), self.qkind, x.dtype).view(self.out_features, -1)
+            y = linear(x2, w, self.bias)
+        return y.view(*lead, self.out_features)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 import logging
 import time
 
@@ -28,6 +29,16 @@ def _skip_random_init():
     finally:
         for cls, fn in saved:
             cls.reset_parameters = fn
+
+
+def resident_weight_bytes(model: nn.Module) -> int:
+    """Bytes of the weights as held: dense parameters and kept quantized blocks (a tied
+    embedding and LM head share theirs), each tensor counted once."""
+    seen: dict[int, int] = {}
+    for t in [*model.parameters(), *(getattr(m, "qweight", None) for m in model.modules())]:
+        if t is not None:
+            seen[t.data_ptr()] = t.numel() * t.element_size()
+    return sum(seen.values())
 
 
 def get_model(model_config: ModelConfig, load_threads: int = 4, progress: bool = True) -> nn.Module:
@@ -57,8 +68,9 @@ def get_model(model_config: ModelConfig, load_threads: int = 4, progress: bool =
         reader = model_config.gguf_reader
         # one load_weights call for the whole stream: it maps the parameters once
         loaded.update(model.load_weights(tqdm(
-            iter_gguf_weights(reader, model_config.hf_config, model_config.dtype), total=len(reader.tensors),
-            desc=desc, disable=not progress, unit="tensor")))
+            iter_gguf_weights(reader, model_config.hf_config, model_config.dtype,
+                              keep_quantized=model_config.quantization == "auto" and model_config.device_type.type == "cpu"),
+            total=len(reader.tensors), desc=desc, disable=not progress, unit="tensor")))
     else:
         from lane.model_executor.loader.safetensors_loader import (count_tensors, load_safetensors,
                                                                    safetensors_files)
@@ -84,6 +96,12 @@ def get_model(model_config: ModelConfig, load_threads: int = 4, progress: bool =
     if tracer.enabled:  # step 4
         tracer.record(Step.LOADER_LOAD_WEIGHTS, t_load, time.monotonic(), tensors=len(loaded),
                       format="gguf" if model_config.gguf_file else "safetensors")
-    logger.info("Loaded %s: architecture %s -> %s:%s in %.2f s", model_config.short_name, arch,
-                model_cls.__module__, model_cls.__qualname__, time.perf_counter() - t0)
+    quantized = [m for m in model.modules() if getattr(m, "qweight", None) is not None]
+    resident = resident_weight_bytes(model)
+    kinds = ", ".join(f"{k} x{n}" for k, n in sorted(Counter(m.qkind for m in quantized).items()))
+    logger.info("Loaded %s: architecture %s -> %s:%s in %.2f s; weights %.1f MiB resident%s",
+                model_config.short_name, arch, model_cls.__module__, model_cls.__qualname__,
+                time.perf_counter() - t0, resident / 2**20,
+                f" ({len(quantized)} linear layers kept quantized: {kinds}; the rest dequantized to "
+                f"{str(model_config.dtype).removeprefix('torch.')})" if quantized else "")
     return model

@@ -100,16 +100,44 @@ def hf_tensor_name(gguf_name: str) -> str | None:
     return f"{_TENSOR_NAMES[base]}.{kind}" if base in _TENSOR_NAMES else None
 
 
-def iter_gguf_weights(reader, hf_config, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+class GGMLBlocks:
+    """A GGUF weight [N, K] kept in its blocks: ``blocks`` uint8 [N, K / 32 * block bytes],
+    one row of blocks per output row (rows can be permuted and concatenated as they are)."""
+    KINDS = ("Q4_0", "Q4_1", "Q8_0")
+
+    def __init__(self, kind: str, shape: tuple[int, int], blocks: torch.Tensor, dtype: torch.dtype) -> None:
+        self.kind, self.shape, self.blocks, self.dtype = kind, tuple(shape), blocks, dtype
+
+    def dequantize(self) -> torch.Tensor:
+        import gguf
+
+        return dequantize(self.blocks.numpy(), int(gguf.GGMLQuantizationType[self.kind]), self.shape, self.dtype)
+
+
+def iter_gguf_weights(reader, hf_config, dtype: torch.dtype = torch.float32, keep_quantized: bool = False
+                      ) -> Iterator[tuple[str, "torch.Tensor | GGMLBlocks"]]:
+    """(HF name, tensor) for every tensor; with ``keep_quantized``, 2-D Q4_0 / Q4_1 / Q8_0
+    tensors come as their blocks (the model keeps them in its linear layers, and
+    dequantizes those it needs dense, as an embedding)."""
+    import gguf
+
     arch = gguf_field(reader, "general.architecture")
+    kept = {int(gguf.GGMLQuantizationType[k]) for k in GGMLBlocks.KINDS}
     for t in reader.tensors:
         name = hf_tensor_name(t.name)
         if name is None:
             continue
-        w = dequantize(t.data, t.tensor_type, t.shape, dtype)
+        heads = None
         if arch in ("llama", "mistral"):
             if name.endswith("self_attn.q_proj.weight"):
-                w = _unpermute(w, hf_config.num_attention_heads)
+                heads = hf_config.num_attention_heads
             elif name.endswith("self_attn.k_proj.weight"):
-                w = _unpermute(w, hf_config.num_key_value_heads)
-        yield name, w
+                heads = hf_config.num_key_value_heads
+        if keep_quantized and t.tensor_type in kept and len(t.shape) == 2:
+            blocks = torch.from_numpy(np.array(t.data, copy=True)).view(t.shape[0], -1)
+            if heads is not None:  # rows of blocks permute as rows of weights do
+                blocks = _unpermute(blocks, heads).contiguous()
+            yield name, GGMLBlocks(gguf.GGMLQuantizationType(t.tensor_type).name, t.shape, blocks, dtype)
+            continue
+        w = dequantize(t.data, t.tensor_type, t.shape, dtype)
+        yield name, (_unpermute(w, heads) if heads is not None else w)

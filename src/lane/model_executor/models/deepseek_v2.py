@@ -249,11 +249,11 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         rope = torch.stack([self._deinterleave(h) for h in w[:, c.qk_nope_head_dim:]])
         return torch.cat((w[:, :c.qk_nope_head_dim].reshape(-1, w.shape[-1]), rope.reshape(-1, w.shape[-1])))
 
-    def _shard_sizes(self, fused_name: str, param: torch.Tensor) -> list[int]:
+    def _shard_sizes(self, fused_name: str, rows: int) -> list[int]:
         if ".fused_qkv_a_proj." in fused_name:
             c = self.config
             return [c.q_lora_rank, c.kv_lora_rank + c.qk_rope_head_dim]
-        return super()._shard_sizes(fused_name, param)
+        return super()._shard_sizes(fused_name, rows)
 
 
 class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):

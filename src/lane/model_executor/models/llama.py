@@ -15,7 +15,10 @@ from lane import platform, tracing
 from lane.tracing import Step
 from lane.model_executor.layers.activation import silu_and_mul
 from lane.model_executor.layers.layernorm import RMSNorm
+from lane.model_executor.layers import cpu_kernels
 from lane.model_executor.layers.linear import Linear
+from lane.model_executor.layers.vocab_embedding import VocabEmbedding
+from lane.model_executor.loader.gguf_loader import GGMLBlocks
 from lane.model_executor.layers.rotary_embedding import RotaryEmbedding
 
 
@@ -100,7 +103,7 @@ class LlamaModel(nn.Module):
 
     def __init__(self, config, max_position: int) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         rotary = RotaryEmbedding(config, head_dim, max_position)
         self.rotary = rotary
@@ -160,8 +163,22 @@ class LlamaForCausalLM(nn.Module):
         if len(parts) >= 2 and parts[-2] in self.stacked_params:
             fused, shard = self.stacked_params[parts[-2]]
             target = ".".join(parts[:-2] + [fused, parts[-1]])
-        if target not in params:
+        if target not in params and not isinstance(tensor, GGMLBlocks):
             raise KeyError(f"checkpoint tensor {name} has no place in {type(self).__name__}")
+        param = params.get(target)
+        if isinstance(tensor, GGMLBlocks):
+            module = self.get_submodule(target.rpartition(".")[0])
+            if not cpu_kernels.build() or not isinstance(module, (Linear, VocabEmbedding)):
+                tensor = tensor.dequantize()  # no kernels, or a layer that runs dense only
+            elif isinstance(module, VocabEmbedding):
+                module.load_quantized(tensor.kind, tensor.blocks)
+                if getattr(self.config, "tie_word_embeddings", False):  # the LM head reads the same blocks
+                    self.lm_head.load_quantized(tensor.kind, tensor.blocks)
+                return target
+            else:
+                offset = 0 if shard is None else sum(self._shard_sizes(target, module.out_features)[:shard])
+                module.load_quantized(tensor.kind, tensor.blocks, offset)
+                return target
         param = params[target]
         with torch.no_grad():
             if shard is None:
@@ -170,12 +187,12 @@ class LlamaForCausalLM(nn.Module):
                                      f"model shape {tuple(param.shape)}")
                 param.copy_(tensor)
             else:
-                sizes = self._shard_sizes(target, param)
+                sizes = self._shard_sizes(target, param.shape[0])
                 param.narrow(0, sum(sizes[:shard]), sizes[shard]).copy_(tensor)
         return target
 
-    def _shard_sizes(self, fused_name: str, param: torch.Tensor) -> list[int]:
+    def _shard_sizes(self, fused_name: str, rows: int) -> list[int]:
         if ".qkv_proj." in fused_name:
             a = self.model.layers[0].self_attn
             return [a.q_size, a.kv_size, a.kv_size]
-        return [param.shape[0] // 2] * 2  # gate_up_proj
+        return [rows // 2] * 2  # gate_up_proj

@@ -1,0 +1,203 @@
+// Linear layers on GGUF blocks as they are (Q8_0, Q4_0, Q4_1: 32 weights per block with an
+// fp16 scale, and for Q4_1 an fp16 minimum), for the decode and verify rows (M <= 16).
+// As ggml does, each input row is quantized once per call to 8-bit blocks of 32 (scale
+// d_x = max|x| / 127, and s_x = d_x * sum(q_x) for Q4_1's minimum term), so each block's
+// dot product is an int32 sum of int8 x int8 products:
+//   Q8_0, Q4_0: y += d_w * d_x * sum(q_w * q_x)        (Q4_0: q_w = nibble - 8, signed)
+//   Q4_1:       y += d_w * d_x * sum(q_w * q_x) + m_w * s_x
+// Each weight block is unpacked to int8 once and dotted with every input row; the
+// AVX2 builds (and AVX-512 ones, which run them) use ggml's maddubs / madd dot products;
+// the generic build plain C++ integer loops.
+#include "common.h"
+
+#include <cmath>
+#include <vector>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using namespace lane;
+
+enum Ggml : int { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2 };
+constexpr int kBlock = 32;
+
+inline float half_at(const uint8_t* p) {
+  f16 h;
+  std::memcpy(&h, p, sizeof(h));
+  return to_f(h);
+}
+
+inline int64_t block_bytes(int qtype) { return qtype == kQ4_0 ? 18 : (qtype == kQ4_1 ? 20 : 34); }
+
+// one weight block -> int8 values, scale and minimum
+inline void unpack(const uint8_t* blk, int qtype, int8_t* q, float& d, float& m) {
+  d = half_at(blk);
+  m = 0.f;
+  if (qtype == kQ8_0) {
+    std::memcpy(q, blk + 2, kBlock);
+  } else {
+    const uint8_t* p = blk + (qtype == kQ4_0 ? 2 : 4);
+    const int off = qtype == kQ4_0 ? 8 : 0;
+    if (qtype == kQ4_1) m = half_at(blk + 2);
+    for (int i = 0; i < 16; ++i) {
+      q[i] = static_cast<int8_t>((p[i] & 0x0f) - off);
+      q[i + 16] = static_cast<int8_t>((p[i] >> 4) - off);
+    }
+  }
+}
+
+inline int32_t dot32(const int8_t* a, const int8_t* b) {
+  int32_t s = 0;
+#pragma omp simd reduction(+ : s)
+  for (int i = 0; i < kBlock; ++i) s += static_cast<int16_t>(a[i]) * static_cast<int16_t>(b[i]);
+  return s;
+}
+
+}  // namespace
+
+// x rows as 8-bit blocks: q [M, K] int8, d [M, K/32], s [M, K/32] (d * sum q)
+extern "C" void lane_quantize_rows_q8(const void* x, int x_dtype, int8_t* q, float* d, float* s, int64_t M,
+                                      int64_t K) {
+  const int64_t nb = K / kBlock;
+  LANE_DISPATCH(x_dtype, T, {
+    const T* xp = static_cast<const T*>(x);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t b = 0; b < nb; ++b) {
+        float v[kBlock], amax = 0.f;
+        for (int i = 0; i < kBlock; ++i) {
+          v[i] = to_f(xp[m * K + b * kBlock + i]);
+          amax = std::fmax(amax, std::fabs(v[i]));
+        }
+        const float scale = amax / 127.f, inv = scale > 0.f ? 1.f / scale : 0.f;
+        int32_t sum = 0;
+        for (int i = 0; i < kBlock; ++i) {
+          const int8_t qi = static_cast<int8_t>(__builtin_rintf(v[i] * inv));
+          q[m * K + b * kBlock + i] = qi;
+          sum += qi;
+        }
+        d[m * nb + b] = scale;
+        s[m * nb + b] = scale * static_cast<float>(sum);
+      }
+  });
+}
+
+// The int32 dot products of every (row, weight row, block): dots [M, N, K/32] (for tests).
+extern "C" void lane_quant_block_dots(const int8_t* qx, const void* w, int qtype, int32_t* dots, int64_t M,
+                                      int64_t N, int64_t K) {
+  const int64_t nb = K / kBlock, row = nb * block_bytes(qtype);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t b = 0; b < nb; ++b) {
+      int8_t qw[kBlock];
+      float dw, mw;
+      unpack(static_cast<const uint8_t*>(w) + n * row + b * block_bytes(qtype), qtype, qw, dw, mw);
+      for (int64_t m = 0; m < M; ++m) dots[(m * N + n) * nb + b] = dot32(qw, qx + m * K + b * kBlock);
+    }
+}
+
+#if defined(__AVX2__)
+namespace {
+
+// 32 unsigned nibbles of a Q4 block, in value order (low nibbles: 0-15, high: 16-31)
+inline __m256i nibbles(const uint8_t* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256i both = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);
+  return _mm256_and_si256(both, _mm256_set1_epi8(0x0f));
+}
+
+// sum over 32 lanes of u8 a * s8 b, as 8 int32 lanes converted to float
+inline __m256 dot_us(__m256i a, __m256i b) {
+  const __m256i pairs = _mm256_maddubs_epi16(a, b);
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// weight rows n0..n1 against R input rows (R <= 4 accumulators in registers)
+template <int R>
+void rows_simd(const uint8_t* wp, int qtype, const int8_t* qx, const float* dx, const float* sx, float* yf,
+               int64_t N, int64_t K, int64_t n0, int64_t n1) {
+  const int64_t nb = K / kBlock, bb = block_bytes(qtype), row = nb * bb;
+  for (int64_t n = n0; n < n1; ++n) {
+    __m256 acc[R];
+    float corr[R];
+    for (int r = 0; r < R; ++r) {
+      acc[r] = _mm256_setzero_ps();
+      corr[r] = 0.f;
+    }
+    const uint8_t* wr = wp + n * row;
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = wr + b * bb;
+      const float dw = half_at(blk);
+      if (qtype != kQ4_1) {  // signed x signed (Q8_0; Q4_0's nibbles - 8): |w| times x with w's sign
+        const __m256i w = qtype == kQ8_0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2))
+                                         : _mm256_sub_epi8(nibbles(blk + 2), _mm256_set1_epi8(8));
+        const __m256i aw = _mm256_sign_epi8(w, w);
+        for (int r = 0; r < R; ++r) {
+          const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + r * K + b * kBlock));
+          acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * dx[r * nb + b]), dot_us(aw, _mm256_sign_epi8(x, w)), acc[r]);
+        }
+      } else {  // Q4_1: unsigned nibbles, and the minimum through s_x = d_x * sum(q_x)
+        const __m256i w = nibbles(blk + 4);
+        const float mw = half_at(blk + 2);
+        for (int r = 0; r < R; ++r) {
+          const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + r * K + b * kBlock));
+          acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * dx[r * nb + b]), dot_us(w, x), acc[r]);
+          corr[r] += mw * sx[r * nb + b];
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) yf[r * N + n] = hsum(acc[r]) + corr[r];
+  }
+}
+
+
+}  // namespace
+#endif
+
+// y [M, N] (y_dtype) = x [M, K] (quantized: qx, dx, sx) . W^T, W [N, K] in GGUF blocks (+ bias fp32)
+extern "C" void lane_quant_linear(const int8_t* qx, const float* dx, const float* sx, const void* w, int qtype,
+                                  const float* bias, void* y, int y_dtype, int64_t M, int64_t N, int64_t K,
+                                  int threads) {
+  const int64_t nb = K / kBlock, bb = block_bytes(qtype), row = nb * bb;
+  std::vector<float> yf(M * N);
+  const uint8_t* wp = static_cast<const uint8_t*>(w);
+  parallel_for(N, 16, threads, [&](int64_t n0, int64_t n1) {
+#if defined(__AVX2__)
+    for (int64_t t0 = n0; t0 < n1; t0 += 16) {  // 16 weight rows stay in cache for every 4 input rows
+      const int64_t t1 = t0 + 16 < n1 ? t0 + 16 : n1;
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4)
+        rows_simd<4>(wp, qtype, qx + m * K, dx + m * nb, sx + m * nb, yf.data() + m * N, N, K, t0, t1);
+      for (; m + 2 <= M; m += 2)
+        rows_simd<2>(wp, qtype, qx + m * K, dx + m * nb, sx + m * nb, yf.data() + m * N, N, K, t0, t1);
+      if (m < M) rows_simd<1>(wp, qtype, qx + m * K, dx + m * nb, sx + m * nb, yf.data() + m * N, N, K, t0, t1);
+    }
+#else
+    std::vector<float> acc(M);
+    for (int64_t n = n0; n < n1; ++n) {
+      for (int64_t m = 0; m < M; ++m) acc[m] = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        int8_t qw[kBlock];
+        float dw, mw;
+        unpack(wp + n * row + b * bb, qtype, qw, dw, mw);
+        for (int64_t m = 0; m < M; ++m) {
+          const int32_t dot = dot32(qw, qx + m * K + b * kBlock);
+          acc[m] += dw * dx[m * nb + b] * static_cast<float>(dot) + mw * sx[m * nb + b];
+        }
+      }
+      for (int64_t m = 0; m < M; ++m) yf[m * N + n] = acc[m];
+    }
+#endif
+  });
+  LANE_DISPATCH(y_dtype, T, {
+    T* yp = static_cast<T*>(y);
+    for (int64_t i = 0; i < M * N; ++i) yp[i] = from_f<T>(yf[i] + (bias ? bias[i % N] : 0.f));
+  });
+}

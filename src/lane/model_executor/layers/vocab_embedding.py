@@ -1,0 +1,28 @@
+"""The token embedding, which can keep a GGUF's Q4_0 / Q4_1 / Q8_0 rows in their blocks:
+a lookup dequantizes only the rows it reads (a step reads a few), and a tied LM head
+multiplies by the same blocks."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from lane.model_executor.layers import cpu_kernels
+
+
+class VocabEmbedding(nn.Embedding):
+    qweight: torch.Tensor | None = None  # uint8 [vocab, row bytes]
+    qkind: str | None = None
+    out_dtype: torch.dtype | None = None  # what lookups of quantized rows return
+
+    def load_quantized(self, kind: str, blocks: torch.Tensor) -> None:
+        self.out_dtype = self.weight.dtype
+        self.qweight, self.qkind = blocks, kind
+        self.weight = None
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.qweight is None:
+            return F.embedding(input_ids, self.weight)
+        rows = self.qweight.index_select(0, input_ids.reshape(-1))
+        out = cpu_kernels.dequant_ggml(rows.numpy(), self.qkind, self.out_dtype)
+        return out.view(*input_ids.shape, self.embedding_dim)

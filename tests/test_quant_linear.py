@@ -1,0 +1,140 @@
+"""GGUF weights kept in their blocks (--quantization auto): the integer kernels against
+integer and float64 references on the same quantized values, on every kernel path this
+CPU has; and the embedded SmolLM2 run that way (memory, perplexity)."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lane import platform
+from lane.model_executor.layers import cpu_kernels
+
+KINDS = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # bytes per 32 weights
+
+
+def random_blocks(kind: str, N: int, K: int, g: torch.Generator) -> torch.Tensor:
+    """Random GGUF blocks: random quants, fp16 scales (and Q4_1 minimums) of a sane size."""
+    nb = K // 32
+    blocks = torch.randint(0, 256, (N, nb, KINDS[kind]), generator=g, dtype=torch.int32).to(torch.uint8)
+    scale = (torch.rand(N, nb, 1, generator=g) * 0.02 + 0.001).half().view(torch.uint8)
+    blocks[..., 0:2] = scale.view(N, nb, 2)
+    if kind == "Q4_1":
+        blocks[..., 2:4] = (torch.randn(N, nb, 1, generator=g) * 0.05).half().view(torch.uint8).view(N, nb, 2)
+    return blocks.view(N, -1).contiguous()
+
+
+def unpack_reference(kind: str, blocks: torch.Tensor, K: int):
+    """(integer quants [N, K], scales d [N, K/32], minimums m [N, K/32]) as the formats define them."""
+    N, nb = blocks.shape[0], K // 32
+    b = blocks.view(N, nb, KINDS[kind])
+    d = b[..., 0:2].contiguous().view(torch.float16).float().view(N, nb)
+    m = torch.zeros(N, nb)
+    if kind == "Q8_0":
+        q = b[..., 2:].contiguous().view(torch.int8).long()
+    else:
+        raw = b[..., 2 if kind == "Q4_0" else 4:].long()
+        q = torch.cat((raw & 0x0F, raw >> 4), dim=-1)
+        if kind == "Q4_0":
+            q = q - 8
+        else:
+            m = b[..., 2:4].contiguous().view(torch.float16).float().view(N, nb)
+    return q.reshape(N, K), d, m
+
+
+def check_kernels(shapes=((37, 96), (64, 576))) -> dict:
+    """Every kind, M = 1..16: int32 block dots equal the integer reference exactly; outputs
+    within 1e-6 relative of float64 on the same quantized weights and activations."""
+    assert cpu_kernels.build()
+    g = torch.Generator().manual_seed(0)
+    worst = 0.0
+    for kind in KINDS:
+        for N, K in shapes:
+            blocks = random_blocks(kind, N, K, g)
+            qw, dw, mw = unpack_reference(kind, blocks, K)
+            for M in range(1, 17):
+                x = torch.randn(M, K, generator=g)
+                qx, dx, sx = cpu_kernels.quantize_rows_q8(x)
+                # the activation quantization: d = max|x| / 127 per block, q = round(x / d)
+                xb = x.view(M, -1, 32)
+                assert torch.allclose(dx, xb.abs().amax(-1) / 127)
+                assert (qx.view(M, -1, 32).long() - torch.round(xb / dx[..., None]).long()).abs().max() <= 1
+                assert torch.allclose(sx, dx * qx.view(M, -1, 32).float().sum(-1))
+                dots = torch.einsum("mbi,nbi->mnb", qx.view(M, -1, 32).long(), qw.view(N, -1, 32))
+                assert torch.equal(cpu_kernels.quant_block_dots(qx, blocks, kind, N).long(), dots), (kind, M)
+                terms = (dw.double()[None] * dx.double()[:, None] * dots.double()
+                         + mw.double()[None] * sx.double()[:, None])  # [M, N, blocks]
+                ref = terms.sum(-1)
+                y = cpu_kernels.quant_linear(x, blocks, kind, N).double()
+                rel = float(((y - ref).abs() / terms.abs().sum(-1)).max())
+                worst = max(worst, rel)
+                assert rel < 1e-6, (kind, N, K, M, rel)
+    return {"isa": cpu_kernels.isa(), "worst": worst}
+
+
+def test_kernels_on_this_path():
+    check_kernels()
+
+
+@pytest.mark.parametrize("isa", [i for i in platform.CPU_ISAS
+                                 if platform.CPU_ISAS.index(i) < platform.CPU_ISAS.index(platform.native_cpu_isa())])
+def test_kernels_on_narrower_paths(isa):
+    """The generic and AVX2 builds, on this CPU (LANE_CPU_ISA caps the build)."""
+    code = ("import json, sys; sys.path.insert(0, 'tests'); import test_quant_linear as t; "
+            "print(json.dumps(t.check_kernels()))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "LANE_CPU_ISA": isa}, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1])["isa"] == isa
+
+
+def perplexity(llm, ids: list[int], chunk: int = 16) -> float:
+    """Teacher-forced perplexity, fed in chunks of ``chunk`` tokens (the rows the integer
+    kernels take) through the runner's own attention metadata."""
+    from lane.attention.metadata import CommonAttentionMetadata, set_forward_context
+
+    runner, model = llm.engine.worker.runner, llm.engine.worker.model
+    table = tuple(list(range(1, 1 + -(-len(ids) // runner.block_size))) for _ in runner.kv_cache_config.groups)
+    logits = []
+    for s in range(0, len(ids), chunk):
+        e = min(s + chunk, len(ids))
+        md = runner._attn_metadata(CommonAttentionMetadata(0, [0], [e - s], [s], [s == 0]), [table])
+        with torch.inference_mode(), set_forward_context(md):
+            logits.append(model.compute_logits(model(torch.tensor(ids[s:e]), torch.arange(s, e))))
+    nll = torch.nn.functional.cross_entropy(torch.cat(logits)[:-1].float(), torch.tensor(ids[1:]))
+    return math.exp(float(nll))
+
+
+def test_smollm_quantized_memory_and_perplexity(smollm_gguf):
+    from lane import LLM, SamplingParams
+    from lane.model_executor.loader import resident_weight_bytes
+    from lane.transformers_utils.gguf_file import open_gguf
+
+    file_bytes = sum(t.data.nbytes for t in open_gguf(smollm_gguf).tensors)
+    args = dict(dtype="float32", show_progress=False, max_model_len=2048, kv_cache_memory_bytes=256 << 20)
+    q = LLM(smollm_gguf, quantization="auto", **args)
+    dense = LLM(smollm_gguf, quantization="none", **args)
+    assert resident_weight_bytes(q.engine.worker.model) <= 1.15 * file_bytes
+    assert resident_weight_bytes(dense.engine.worker.model) > 4 * file_bytes
+    layers = q.engine.worker.model.model.layers
+    assert layers[0].self_attn.qkv_proj.qkind == "Q4_1" and layers[0].self_attn.qkv_proj.weight is None
+    assert q.engine.worker.model.lm_head.qweight is q.engine.worker.model.model.embed_tokens.qweight  # tied
+    readme = os.path.join(os.path.dirname(os.path.dirname(__file__)), "README.md")
+    ids = q.get_tokenizer().encode(open(readme).read())[:1024]
+    p_q, p_dense = perplexity(q, ids), perplexity(dense, ids)
+    assert abs(p_q / p_dense - 1) < 0.01, (p_q, p_dense)
+    out = q.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert "Paris" in out[0].outputs[0].text
+
+
+def test_bad_quantization_is_refused():
+    from lane import LLM
+
+    with pytest.raises(ValueError, match="--quantization 'int4' is not one of auto, none"):
+        LLM(quantization="int4", show_progress=False)
+    r = subprocess.run([sys.executable, "-m", "lane.entrypoints.cli", "generate", "hi", "--quantization", "int4"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--quantization" in r.stderr and "Traceback" not in r.stderr
