@@ -71,11 +71,11 @@ def make_workload(n: int, lo: int, hi: int, vocab: int, seed: int) -> list[list[
     return [[rng.randrange(100, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
-def run_lane(prompts, out_len: int, dtype: str, threads: int | None) -> dict:
+def run_lane(prompts, out_len: int, dtype: str, threads: int | None, quantization: str = "none") -> dict:
     from lane import LLM, SamplingParams
 
     llm = LLM(dtype=dtype, threads=threads, max_model_len=2048, enable_prefix_caching=False,
-              kv_cache_memory_bytes=2 << 30)
+              kv_cache_memory_bytes=2 << 30, quantization=quantization)
     sp = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], SamplingParams(max_tokens=4),
                  use_tqdm=False)  # warm-up
@@ -142,6 +142,8 @@ def main() -> None:
     ap.add_argument("--hf-batch-sizes", default="8,16,32,64")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--quantization", default="none", choices=["auto", "none"],
+                    help="auto: lane keeps the GGUF's Q4_1 blocks (HF always runs dequantized weights)")
     args = ap.parse_args()
     args.dtype = concrete_dtype(args.dtype)
     check_quiet()
@@ -149,7 +151,7 @@ def main() -> None:
     print(f"workload: {len(prompts)} requests, {args.min_input_len}-{args.max_input_len} prompt "
           f"tokens (total {sum(map(len, prompts))}), {args.output_len} output tokens, {args.dtype}")
     print("lane ...", flush=True)
-    lane = run_lane(prompts, args.output_len, args.dtype, args.threads)
+    lane = run_lane(prompts, args.output_len, args.dtype, args.threads, args.quantization)
     print(f"  lane: {lane['lane_tok_s']:.1f} output tok/s ({lane['lane_s']:.1f} s)")
     print("HF transformers generate ...", flush=True)
     hf = run_hf(prompts, args.output_len, getattr(torch, args.dtype),
@@ -166,7 +168,7 @@ def main() -> None:
                       "hf_best_batch": best, "ratio": round(ratio, 2),
                       "lane_b1_decode_tok_s": round(lane["lane_b1_decode_tok_s"], 1),
                       "lane_prefill_tok_s": round(lane["lane_prefill_tok_s"], 1),
-                      "dtype": args.dtype, "num_prompts": len(prompts),
+                      "dtype": args.dtype, "quantization": args.quantization, "num_prompts": len(prompts),
                       "threads": torch.get_num_threads()}))
 
 
