@@ -128,3 +128,23 @@ def test_kernel_cache_survives_another_build_tool_on_path(tmp_path):
     assert second.returncode == 0, second.stderr[-2000:]
     assert "Building the CPU kernels" in first.stderr and "Building the CPU kernels" not in second.stderr
     assert first.stdout.split() == second.stdout.split()  # one build, untouched
+
+
+def test_threads_never_exceed_the_cpus_this_process_may_use(caplog):
+    """--threads past the affinity set is lowered to it (with a warning): OpenMP threads
+    beyond the cores only contend."""
+    import logging
+
+    import torch
+
+    cpus = platform.available_cpus()
+    saved = torch.get_num_threads()
+    try:
+        with caplog.at_level(logging.WARNING, logger="lane.platform"):
+            assert platform.set_threads(cpus + 3) == cpus == torch.get_num_threads()
+        assert f"--threads {cpus + 3} exceeds the {cpus} CPUs" in caplog.text
+        assert platform.set_threads(None) == cpus
+        with pytest.raises(ValueError, match="--threads must be >= 1"):
+            platform.set_threads(-1)
+    finally:
+        torch.set_num_threads(saved)

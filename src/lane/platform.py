@@ -116,10 +116,15 @@ def available_cpus() -> int:
 
 
 def set_threads(threads: int | None) -> int:
-    """Intra-op threads for torch; default: every CPU this process may run on."""
-    n = threads or available_cpus()
+    """Intra-op threads for torch and the CPU kernels (one OpenMP pool): by default every
+    CPU this process may run on, and never more (more threads than cores only contend)."""
+    cpus = available_cpus()
+    n = threads or cpus
     if n < 1:
         raise ValueError(f"--threads must be >= 1, got {n}")
+    if n > cpus:
+        logger.warning("--threads %d exceeds the %d CPUs this process may run on; using %d", n, cpus, cpus)
+        n = cpus
     torch.set_num_threads(n)
     return n
 
