@@ -31,7 +31,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto: a GGUF's Q4_0 / Q4_1 / Q8_0 weights stay in their blocks (integer kernels for "
                         "up to 16 rows: faster decode, a fifth of the memory); none (default): dequantized "
                         "at load to --dtype")
-    g.add_argument("--threads", type=int, default=None, help="threads of torch and the CPU kernels (default and most: the CPUs this process may use)")
+    g.add_argument("--threads", type=int, default=None,
+                   help="threads of torch and the CPU kernels (default and most: the CPUs this process may use)")
     g.add_argument("--block-size", type=int, default=None,
                    help="tokens per KV block (default 16, or a multiple of a compressed model's rates)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
