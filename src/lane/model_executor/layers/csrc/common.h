@@ -95,6 +95,18 @@ inline float fast_exp(float x) {
   return p * scale;
 }
 
+// GGUF blocks of 32 values (Q4_0, Q4_1, Q8_0, as cpu_kernels.py codes them): an fp16
+// scale first (Q4_1: then an fp16 minimum), then the quants
+enum Ggml : int { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2 };
+
+inline int64_t ggml_block_bytes(int qtype) { return qtype == kQ4_0 ? 18 : (qtype == kQ4_1 ? 20 : 34); }
+
+inline float half_at(const uint8_t* p) {  // an fp16 field of a block
+  f16 h;
+  std::memcpy(&h, p, sizeof(h));
+  return to_f(h);
+}
+
 // Split [0, n) into one contiguous range per thread, as at::parallel_for does; inline
 // when there is one thread or too little work.
 template <typename F>

@@ -7,17 +7,9 @@ namespace {
 
 using namespace lane;
 
-enum Ggml : int { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2 };
-
-inline float half_at(const uint8_t* p) {
-  f16 h;
-  std::memcpy(&h, p, sizeof(h));
-  return to_f(h);
-}
-
 template <typename T>
 void dequant_blocks(const uint8_t* src, int qtype, int64_t b0, int64_t b1, T* dst) {
-  const int64_t size = qtype == kQ4_0 ? 18 : (qtype == kQ4_1 ? 20 : 34);  // bytes per 32 values
+  const int64_t size = ggml_block_bytes(qtype);
   for (int64_t b = b0; b < b1; ++b) {
     const uint8_t* blk = src + b * size;
     T* out = dst + b * 32;

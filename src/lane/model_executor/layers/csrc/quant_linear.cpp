@@ -20,16 +20,7 @@ namespace {
 
 using namespace lane;
 
-enum Ggml : int { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2 };
 constexpr int kBlock = 32;
-
-inline float half_at(const uint8_t* p) {
-  f16 h;
-  std::memcpy(&h, p, sizeof(h));
-  return to_f(h);
-}
-
-inline int64_t block_bytes(int qtype) { return qtype == kQ4_0 ? 18 : (qtype == kQ4_1 ? 20 : 34); }
 
 // one weight block -> int8 values, scale and minimum
 inline void unpack(const uint8_t* blk, int qtype, int8_t* q, float& d, float& m) {
@@ -86,12 +77,12 @@ extern "C" void lane_quantize_rows_q8(const void* x, int x_dtype, int8_t* q, flo
 // The int32 dot products of every (row, weight row, block): dots [M, N, K/32] (for tests).
 extern "C" void lane_quant_block_dots(const int8_t* qx, const void* w, int qtype, int32_t* dots, int64_t M,
                                       int64_t N, int64_t K) {
-  const int64_t nb = K / kBlock, row = nb * block_bytes(qtype);
+  const int64_t nb = K / kBlock, row = nb * ggml_block_bytes(qtype);
   for (int64_t n = 0; n < N; ++n)
     for (int64_t b = 0; b < nb; ++b) {
       int8_t qw[kBlock];
       float dw, mw;
-      unpack(static_cast<const uint8_t*>(w) + n * row + b * block_bytes(qtype), qtype, qw, dw, mw);
+      unpack(static_cast<const uint8_t*>(w) + n * row + b * ggml_block_bytes(qtype), qtype, qw, dw, mw);
       for (int64_t m = 0; m < M; ++m) dots[(m * N + n) * nb + b] = dot32(qw, qx + m * K + b * kBlock);
     }
 }
@@ -123,7 +114,7 @@ inline float hsum(__m256 v) {
 template <int R>
 void rows_simd(const uint8_t* wp, int qtype, const int8_t* qx, const float* dx, const float* sx, float* yf,
                int64_t N, int64_t K, int64_t n0, int64_t n1) {
-  const int64_t nb = K / kBlock, bb = block_bytes(qtype), row = nb * bb;
+  const int64_t nb = K / kBlock, bb = ggml_block_bytes(qtype), row = nb * bb;
   for (int64_t n = n0; n < n1; ++n) {
     __m256 acc[R];
     float corr[R];
@@ -165,7 +156,7 @@ void rows_simd(const uint8_t* wp, int qtype, const int8_t* qx, const float* dx, 
 extern "C" void lane_quant_linear(const int8_t* qx, const float* dx, const float* sx, const void* w, int qtype,
                                   const float* bias, void* y, int y_dtype, int64_t M, int64_t N, int64_t K,
                                   int threads) {
-  const int64_t nb = K / kBlock, bb = block_bytes(qtype), row = nb * bb;
+  const int64_t nb = K / kBlock, bb = ggml_block_bytes(qtype), row = nb * bb;
   std::vector<float> yf(M * N);
   const uint8_t* wp = static_cast<const uint8_t*>(w);
   parallel_for(N, 16, threads, [&](int64_t n0, int64_t n1) {
