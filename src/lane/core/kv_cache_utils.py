@@ -35,6 +35,11 @@ def window_blocks_needed(window: int, block_size: int, max_num_seqs: int,
     return max_num_seqs * per_request + chunk + max_num_seqs + 1, per_request + chunk + 1
 
 
+def blocks_needed(num_tokens: int, block_size: int) -> int:
+    """Main-pool blocks for one request of ``num_tokens`` tokens, the null block included."""
+    return -(-num_tokens // block_size) + 1
+
+
 def get_kv_cache_config(groups: list[KVCacheGroupSpec], budget: int, max_num_seqs: int,
                         max_num_batched_tokens: int, max_model_len: int | None) -> KVCacheConfig:
     """Blocks per group for ``budget`` bytes; raises when one request of ``max_model_len``
@@ -53,22 +58,20 @@ def get_kv_cache_config(groups: list[KVCacheGroupSpec], budget: int, max_num_seq
     def window_bytes(b: int) -> int:
         return sum(window_pool(g, b) * g.page_size_bytes for g in groups if g.kind == SLIDING_WINDOW)
 
+    # state slots and window pools first; the full group (the main pool) gets what they leave
     num_blocks = [0] * len(groups)
-    rest = budget
     for i, g in enumerate(groups):
         if g.kind == STATE:
             num_blocks[i] = max_num_seqs + 1
         elif g.kind == SLIDING_WINDOW:
             num_blocks[i] = window_pool(g, budget)
-            rest -= num_blocks[i] * g.page_size_bytes
-    main = next(i for i, g in enumerate(groups) if g.kind == FULL)
+    window = window_bytes(budget)
+    main = [g.kind for g in groups].index(FULL)
     per_block = groups[main].page_size_bytes
-    num_blocks[main] = max(0, rest) // per_block if per_block else 0
-    config = KVCacheConfig(groups, num_blocks)
+    num_blocks[main] = max(0, budget - window) // per_block if per_block else 0
     block_size = groups[main].block_size
-    need = -(-max_model_len // block_size) + 1 if max_model_len else 0
+    need = blocks_needed(max_model_len, block_size) if max_model_len else 0
     if num_blocks[main] < need:
-        window = sum(config.group_bytes(i) for i, g in enumerate(groups) if g.kind == SLIDING_WINDOW)
         # the least budget whose main pool holds `need` blocks: a larger budget also enlarges
         # the window pools, so iterate to the fixed point (window_bytes does not decrease)
         least = need * per_block
@@ -80,4 +83,4 @@ def get_kv_cache_config(groups: list[KVCacheGroupSpec], budget: int, max_num_seq
             + (f", after {window} B for the sliding-window pool" if window else "")
             + f"), but one request of max_model_len {max_model_len} needs {need}; raise "
             f"--kv-cache-memory-bytes to at least {least} or lower --max-model-len")
-    return config
+    return KVCacheConfig(groups, num_blocks)

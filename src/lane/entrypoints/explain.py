@@ -141,7 +141,7 @@ def explain(model: str | None, dtype: str = "auto", block_size: int | None = Non
     if entry is None:
         lines.append("  (the cache layout follows from an implementation's layers: none is registered)")
         return "\n".join(lines)
-    from lane.core.kv_cache_utils import get_kv_cache_config
+    from lane.core.kv_cache_utils import blocks_needed, get_kv_cache_config
     from lane.kv_cache_interface import FULL, SLIDING_WINDOW, group_kv_cache_specs
     from lane.model_executor.layers.attention import kv_cache_specs
 
@@ -173,7 +173,7 @@ def explain(model: str | None, dtype: str = "auto", block_size: int | None = Non
     main = kv.first_group(FULL)
     lines.append(f"  budget {budget / 2**20:,.1f} MiB -> {kv.num_blocks[main]:,} blocks, one of them the null block "
                  f"({(kv.num_blocks[main] - 1) * block_size:,} tokens)")
-    need = -(-mc.max_model_len // block_size) + 1
+    need = blocks_needed(mc.max_model_len, block_size)
     if kv.num_blocks[main] < need:
         lines.append(f"  one request of the whole context (max_model_len {mc.max_model_len:,}) needs {need:,} blocks: "
                      f"the engine refuses this budget unless --max-model-len is lower")
