@@ -13,16 +13,11 @@ def meta_model(mc):
     exist, its weights take no memory."""
     import torch
 
-    from lane.registry import ModelRegistry
+    from lane.model_executor.loader import construct_model
 
     cls, _ = ModelRegistry.resolve_model_cls(mc.architectures)
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(mc.dtype)
-    try:
-        with torch.device("meta"):
-            return cls(mc.hf_config, max_position=mc.max_model_len)
-    finally:
-        torch.set_default_dtype(prev)
+    with torch.device("meta"):
+        return construct_model(cls, mc)
 
 
 def _describe(specs: list, cfg) -> str:

@@ -31,6 +31,18 @@ def _skip_random_init():
             cls.reset_parameters = fn
 
 
+def construct_model(model_cls: type[nn.Module], model_config: ModelConfig) -> nn.Module:
+    """The implementation's modules in the model dtype, without random init (the weights
+    are loaded after, or, on the meta device, never)."""
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(model_config.dtype)
+    try:
+        with _skip_random_init():
+            return model_cls(model_config.hf_config, max_position=model_config.max_model_len)
+    finally:
+        torch.set_default_dtype(prev)
+
+
 def resident_weight_bytes(model: nn.Module) -> int:
     """Bytes of the weights as held: dense parameters and kept quantized blocks (a tied
     embedding and LM head share theirs), each tensor counted once."""
@@ -49,13 +61,7 @@ def get_model(model_config: ModelConfig, load_threads: int = 4, progress: bool =
                       implementation=f"{model_cls.__module__}:{model_cls.__qualname__}")
     t_load = time.monotonic()
     t0 = time.perf_counter()
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(model_config.dtype)
-    try:
-        with _skip_random_init():
-            model = model_cls(model_config.hf_config, max_position=model_config.max_model_len)
-    finally:
-        torch.set_default_dtype(prev)
+    model = construct_model(model_cls, model_config)
     loaded: set[str] = set()
 
     def consume(name: str, tensor: torch.Tensor) -> None:
