@@ -156,12 +156,11 @@ class Scheduler:
                     resumed: bool) -> None:
         cached.req_ids.append(req.request_id)
         cached.resumed_from_preemption.append(resumed)
-        if resumed:
+        if resumed:  # every block is new: the whole tables
             ids = self.kv.get_block_ids(req.request_id)
-        else:
-            ids = new_blocks.get_block_ids() if new_blocks is not None else None
-            if ids is not None and not any(ids):
-                ids = None
+        else:  # the appended blocks, None when no group grew
+            ids = new_blocks.get_block_ids()
+            ids = ids if any(ids) else None
         cached.new_block_ids.append(ids)
         cached.num_computed_tokens.append(req.num_computed_tokens)
 
