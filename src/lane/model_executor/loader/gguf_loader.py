@@ -15,6 +15,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from lane.model_executor.layers import cpu_kernels
 from lane.transformers_utils.gguf_file import gguf_field
 
 _TENSOR_NAMES = {
@@ -53,10 +54,8 @@ def dequantize(data: np.ndarray, qtype: int, shape: tuple[int, ...],
     to ``dtype``. Q4_0 / Q4_1 / Q8_0 go through the CPU kernel where it is built."""
     import gguf
 
-    from lane.model_executor.layers import cpu_kernels
-
     Q = gguf.GGMLQuantizationType
-    if qtype in (Q.Q8_0, Q.Q4_0, Q.Q4_1) and cpu_kernels.build():  # waits for a build in flight
+    if Q(qtype).name in cpu_kernels.GGML_KINDS and cpu_kernels.build():  # waits for a build in flight
         # read in place from the mmap: no copy
         return cpu_kernels.dequant_ggml(np.ascontiguousarray(data).view(np.uint8), Q(qtype).name,
                                         dtype).reshape(shape)
@@ -103,7 +102,6 @@ def hf_tensor_name(gguf_name: str) -> str | None:
 class GGMLBlocks:
     """A GGUF weight [N, K] kept in its blocks: ``blocks`` uint8 [N, K / 32 * block bytes],
     one row of blocks per output row (rows can be permuted and concatenated as they are)."""
-    KINDS = ("Q4_0", "Q4_1", "Q8_0")
 
     def __init__(self, kind: str, shape: tuple[int, int], blocks: torch.Tensor, dtype: torch.dtype) -> None:
         self.kind, self.shape, self.blocks, self.dtype = kind, tuple(shape), blocks, dtype
@@ -122,7 +120,7 @@ def iter_gguf_weights(reader, hf_config, dtype: torch.dtype = torch.float32, kee
     import gguf
 
     arch = gguf_field(reader, "general.architecture")
-    kept = {int(gguf.GGMLQuantizationType[k]) for k in GGMLBlocks.KINDS}
+    kept = {int(gguf.GGMLQuantizationType[k]) for k in cpu_kernels.GGML_KINDS}  # what the kernels run
     for t in reader.tensors:
         name = hf_tensor_name(t.name)
         if name is None:
