@@ -17,7 +17,7 @@ from lane.transformers_utils.model_path import (DEFAULT_GGUF, default_model_path
 from lane.transformers_utils.tokenizer import get_tokenizer
 
 
-QUANTIZATIONS = ("auto", "none")
+QUANTIZATIONS = ("auto", "none", "int8", "w8a8")
 
 
 @dataclass
@@ -27,13 +27,18 @@ class ModelConfig:
     max_model_len: int | None = None
     seed: int = 0
     device: str | None = None
-    # auto: a GGUF's Q4_0 / Q4_1 / Q8_0 weights stay in their blocks; none: dequantized at load
-    quantization: str = "none"
+    # auto: a GGUF's quantized weights stay in their blocks; none: dequantized at load to dtype;
+    # int8 / w8a8: a safetensors checkpoint's linear weights quantized to int8 per channel at load
+    # (w8a8 also quantizes the activations per token)
+    quantization: str = "auto"
 
     def __post_init__(self) -> None:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"--quantization {self.quantization!r} is not one of {', '.join(QUANTIZATIONS)}")
         self.model, self.model_dir, self.gguf_file = resolve_model_path(self.model)
+        if self.gguf_file and self.quantization in ("int8", "w8a8"):
+            raise ValueError(f"--quantization {self.quantization} is for safetensors checkpoints; a GGUF runs "
+                             f"its own quantization with --quantization auto (or none to dequantize it)")
         self.device_type = torch.device(self.device) if self.device else platform.default_device()
         if self.device_type.type == "cpu":
             platform.cpu_isa()  # a bad LANE_CPU_ISA is refused here, by name
@@ -170,7 +175,7 @@ class EngineArgs:
     seed: int = 0
     threads: int | None = None
     show_progress: bool = True
-    quantization: str = "none"
+    quantization: str = "auto"
     enable_tracing: bool = False  # record the seed's steps as spans (lane serve --trace)
     trace_layers: bool = False  # one span per layer, not per forward
 

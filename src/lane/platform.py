@@ -129,6 +129,38 @@ def set_threads(threads: int | None) -> int:
     return n
 
 
+def parse_cpu_list(text: str) -> list[int]:
+    """"0-3,8" -> [0, 1, 2, 3, 8], as taskset and vLLM's VLLM_CPU_OMP_THREADS_BIND write it."""
+    cpus: list[int] = []
+    for part in text.split(","):
+        lo, _, hi = part.strip().partition("-")
+        cpus.extend(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def thread_binding(threads: int, default: str = "auto") -> list[int] | None:
+    """The CPU each OpenMP thread is pinned to (thread i -> result[i]), from
+    LANE_CPU_OMP_THREADS_BIND (else ``default``): ``auto`` the first ``threads`` CPUs this process may
+    run on, one each; ``nobind`` none (the OS places threads); or a list as "0-3,8" (as many
+    CPUs as threads: set --threads to match). A CPU outside the process's set is refused."""
+    spec = os.environ.get("LANE_CPU_OMP_THREADS_BIND", default).strip()
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if spec == "nobind" or not allowed:
+        return None
+    if spec == "auto":
+        return allowed[:threads]
+    try:
+        cpus = parse_cpu_list(spec)
+    except ValueError:
+        raise ValueError(f"LANE_CPU_OMP_THREADS_BIND={spec!r}: expected auto, nobind or a CPU list as 0-3,8") from None
+    outside = sorted(set(cpus) - set(allowed))
+    if outside or len(cpus) != threads or len(set(cpus)) != len(cpus):
+        raise ValueError(f"LANE_CPU_OMP_THREADS_BIND={spec!r}: needs {threads} distinct CPUs (one per thread; "
+                         f"--threads sets how many) of this process's {allowed}"
+                         + (f"; {outside} are not" if outside else ""))
+    return cpus
+
+
 def available_memory_bytes() -> int:
     """MemAvailable from /proc/meminfo (free RAM that can be had without swapping)."""
     try:

@@ -38,10 +38,10 @@ def start_cpu_kernel_build() -> None:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, own_process: bool = False) -> None:
         t0 = time.perf_counter()
         self.config = config
-        self.worker = Worker(config)
+        self.worker = Worker(config, own_process)
         cc = config.cache_config
         t_pool = time.monotonic()
         self.kv_cache_config = kv = self.worker.initialize_kv_cache()  # handed to the scheduler as it is
@@ -153,7 +153,7 @@ class EngineCoreProc:
             tracer.enable(args.trace_layers)
         start_cpu_kernel_build()
         config = args.create_engine_config()
-        self.core = EngineCore(config)
+        self.core = EngineCore(config, own_process=True)
         kv = self.core.kv_cache_config
         threading.Thread(target=self._read_inputs, args=(input_address,), daemon=True,
                          name="EngineCoreInput").start()

@@ -27,7 +27,7 @@ class LLM:
                  enable_prefix_caching: bool = True, max_num_batched_tokens: int = 2048,
                  max_num_seqs: int = 128, max_model_len: int | None = None,
                  kv_cache_memory_bytes: int | None = None, seed: int = 0,
-                 threads: int | None = None, show_progress: bool = True, quantization: str = "none") -> None:
+                 threads: int | None = None, show_progress: bool = True, quantization: str = "auto") -> None:
         args = EngineArgs(model, dtype, block_size, enable_prefix_caching, max_num_batched_tokens,
                           max_num_seqs, max_model_len, kv_cache_memory_bytes, seed, threads,
                           show_progress, quantization)

@@ -27,10 +27,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: bfloat16 on CPUs with AVX512-BF16/AMX, else float32")
-    g.add_argument("--quantization", default="none", choices=["auto", "none"],
-                   help="auto: a GGUF's Q4_0 / Q4_1 / Q8_0 weights stay in their blocks (integer kernels for "
-                        "up to 16 rows: faster decode, a fifth of the memory); none (default): dequantized "
-                        "at load to --dtype")
+    g.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "w8a8"],
+                   help="auto (default): a GGUF's Q4_0 / Q4_1 / Q8_0 weights stay in their blocks, multiplied by "
+                        "integer kernels (a fifth of the memory of float32, faster decode); none: dequantized at "
+                        "load to --dtype; int8: a safetensors checkpoint's linear and expert weights quantized "
+                        "to int8 per output channel at load (W8A16); w8a8: the same, and activations quantized "
+                        "to int8 per token (int8 GEMMs)")
     g.add_argument("--threads", type=int, default=None,
                    help="threads of torch and the CPU kernels (default and most: the CPUs this process may use)")
     g.add_argument("--block-size", type=int, default=None,

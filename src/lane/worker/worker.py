@@ -27,21 +27,29 @@ logger = logging.getLogger(__name__)
 
 
 class Worker:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, own_process: bool = False) -> None:
+        """``own_process``: this process is the worker's alone (an engine core's), so its threads
+        are pinned to CPUs by default; in a user's process (``LLM``) only on request, since the
+        pinned main thread would hand its one CPU to every thread and process it starts."""
         self.config = config
         mc = config.model_config
         t0 = time.monotonic()
         self.threads = platform.set_threads(config.threads)  # step 1
         on_cpu = mc.device_type.type == "cpu"
+        binding = platform.thread_binding(self.threads, "auto" if own_process else "nobind") if on_cpu else None
         if on_cpu:  # the compiler (first use on this CPU) runs while the weights load
             cpu_kernels.start_build()
         if tracer.enabled:
             tracer.record(Step.PLATFORM_INIT, t0, time.monotonic(), device=str(mc.device_type), dtype=str(mc.dtype),
-                          threads=self.threads, cpu_isa=platform.cpu_isa() if on_cpu else None)
+                          threads=self.threads, cpu_isa=platform.cpu_isa() if on_cpu else None, cpu_bind=binding)
         torch.manual_seed(mc.seed)
         self.model = get_model(mc, config.load_threads, config.show_progress)  # step 4
         if on_cpu:
             cpu_kernels.build()
+        if binding and cpu_kernels.available():  # after loading: the loader's threads would inherit one CPU
+            cpu_kernels.bind_threads(binding)
+            logger.info("Bound %d OpenMP threads to CPUs %s (LANE_CPU_OMP_THREADS_BIND=nobind leaves them unbound)",
+                        len(binding), binding)
         self.num_packed = prepack_linears(self.model)
         self.runner = ModelRunner(self.model, config.cache_config.block_size, mc.dtype, mc.device_type,
                                   config.cache_config.enable_prefix_caching, mc.eos_token_ids)

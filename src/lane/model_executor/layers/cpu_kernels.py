@@ -37,7 +37,7 @@ from lane import platform
 logger = logging.getLogger(__name__)
 
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
-_SOURCES = ("paged_attention.cpp", "gemv.cpp", "elementwise.cpp", "dequant.cpp", "quant_linear.cpp", "module.cpp")
+_SOURCES = ("paged_attention.cpp", "gemv.cpp", "elementwise.cpp", "dequant.cpp", "quant_linear.cpp", "threads.cpp", "module.cpp")
 _SOURCE_CFLAGS = {"dequant.cpp": ["-ffp-contract=off"]}  # round as the numpy reference does
 _HEADERS = ("common.h",)
 # no -ffast-math: its finite-math-only would fold the kernels' -inf checks away
@@ -259,12 +259,15 @@ def sinkhorn_(comb, iters, eps):
 GGML_KINDS = {"Q4_0": (0, 18), "Q4_1": (1, 20), "Q8_0": (2, 34)}  # kernel code, bytes per 32 values
 
 
-def dequant_ggml(blocks, kind: str, dtype: torch.dtype) -> torch.Tensor:
+def dequant_ggml(blocks, kind: str, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
     """GGUF blocks of kind Q4_0 / Q4_1 / Q8_0 (a contiguous uint8 numpy array: read in
-    place, so a read-only mmap will do) -> a flat tensor of dtype."""
+    place, so a read-only mmap will do) -> a flat tensor of dtype (into ``out`` if given)."""
     code, size = GGML_KINDS[kind]
     nblocks = blocks.nbytes // size
-    out = torch.empty(nblocks * 32, dtype=dtype)
+    if out is None:
+        out = torch.empty(nblocks * 32, dtype=dtype)
+    elif out.numel() != nblocks * 32 or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"dequant_ggml: out must be {nblocks * 32} contiguous {dtype}")
     _lib.lane_dequant_ggml(blocks.ctypes.data, code, nblocks, out.data_ptr(), _DTYPE_CODES[dtype],
                            torch.get_num_threads())
     return out
@@ -302,3 +305,13 @@ def quant_linear(x: torch.Tensor, blocks: torch.Tensor, kind: str, N: int, bias:
                            None if b is None else b.data_ptr(), y.data_ptr(), _DTYPE_CODES[x.dtype], M, N, K,
                            torch.get_num_threads())
     return y
+
+
+def bind_threads(cpus: list[int]) -> None:
+    """Pin OpenMP thread i (torch's pool and the kernels') to ``cpus[i]``; the caller, thread 0,
+    is pinned to ``cpus[0]``. Threads it starts later inherit that one CPU: bind after loading."""
+    ids = torch.tensor(cpus, dtype=torch.int32)
+    failed = torch.zeros(1, dtype=torch.int32)
+    _lib.lane_bind_threads(ids.data_ptr(), len(cpus), failed.data_ptr())
+    if int(failed):
+        raise OSError(f"could not bind {int(failed)} of {len(cpus)} threads to CPUs {cpus}")

@@ -13,8 +13,10 @@ on every CPU.
   ``UPCAST_ROWS`` rows the small-M kernel reads the weight as stored; above, the
   weight is widened per call and fp32 GEMM runs.
 - GGUF Q4_0 / Q4_1 / Q8_0 weights kept in their blocks (``--quantization auto``): up to
-  ``QUANT_ROWS`` rows, the integer kernel (each row quantized to 8-bit blocks once per
-  call); above, the weight dequantized for the call and the dense path.
+  ``quant_rows`` rows (decode batches, verify), the integer kernel (each row quantized to
+  8-bit blocks once per call); above (prefill), the weight dequantized into a scratch
+  buffer reused by every layer, then the dense GEMM: the dequantization is a few percent
+  of a prefill's GEMM time, and the integer kernel's cost grows with every row.
 """
 from __future__ import annotations
 
@@ -29,8 +31,24 @@ from lane.model_executor.layers import cpu_kernels
 
 SMALL_M = 2
 UPCAST_ROWS = 32
-QUANT_ROWS = 16  # quantized weights: the integer kernel up to this many rows
 _PACK_BATCH_HINT = 64
+_scratch: dict[torch.dtype, torch.Tensor] = {}  # the dequantized weight of the layer running now
+
+
+def quant_rows(dtype: torch.dtype) -> int:
+    """Rows up to which the integer kernel beats dequantize + GEMM: 16 where the CPU's GEMM
+    runs the dtype natively and fast (bf16 on oneDNN), else 32 (measured on SmolLM2's shapes)."""
+    return 16 if dtype != torch.float32 and fast_cpu_gemm(dtype) else 32
+
+
+def dequantized(blocks: torch.Tensor, kind: str, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """The weight as ``dtype`` in a scratch buffer that the next call overwrites: one
+    buffer for the whole model, so prefill allocates (and page-faults) nothing per layer."""
+    n = shape[0] * shape[1]
+    buf = _scratch.get(dtype)
+    if buf is None or buf.numel() < n:
+        buf = _scratch[dtype] = torch.empty(n, dtype=dtype)
+    return cpu_kernels.dequant_ggml(blocks.numpy(), kind, dtype, out=buf[:n]).view(shape)
 
 
 @functools.cache
@@ -80,15 +98,16 @@ class Linear(nn.Linear):
 
 
     def _quantized(self, x: torch.Tensor) -> torch.Tensor:
-        """Decode and verify rows: the integer kernel on the blocks; more rows (prefill):
-        the weight dequantized for this call, then the dense path."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        if x2.shape[0] <= QUANT_ROWS and cpu_kernels.usable(x2):
+        if not cpu_kernels.usable(x2):
+            raise RuntimeError("quantized weights need the CPU kernels (LANE_CPU_KERNELS=0 or a failed build); "
+                               "load with --quantization none")
+        if x2.shape[0] <= quant_rows(x.dtype):
             y = cpu_kernels.quant_linear(x2, self.qweight, self.qkind, self.out_features, self.bias)
         else:
-            w = cpu_kernels.dequant_ggml(self.qweight.numpy(), self.qkind, x.dtype).view(self.out_features, -1)
-            y = linear(x2, w, self.bias)
+            y = linear(x2, dequantized(self.qweight, self.qkind, (self.out_features, self.in_features), x.dtype),
+                       self.bias)
         return y.view(*lead, self.out_features)
 
 

@@ -110,7 +110,7 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// weight rows n0..n1 against R input rows (R <= 4 accumulators in registers)
+// weight rows n0..n1 against R input rows (R <= 8 accumulators in registers)
 template <int R>
 void rows_simd(const uint8_t* wp, int qtype, const int8_t* qx, const float* dx, const float* sx, float* yf,
                int64_t N, int64_t K, int64_t n0, int64_t n1) {
@@ -149,6 +149,11 @@ void rows_simd(const uint8_t* wp, int qtype, const int8_t* qx, const float* dx, 
 }
 
 
+using RowsFn = void (*)(const uint8_t*, int, const int8_t*, const float*, const float*, float*, int64_t,
+                       int64_t, int64_t, int64_t);
+constexpr RowsFn kRows[9] = {nullptr, rows_simd<1>, rows_simd<2>, rows_simd<3>, rows_simd<4>,
+                             rows_simd<5>, rows_simd<6>, rows_simd<7>, rows_simd<8>};
+
 }  // namespace
 #endif
 
@@ -161,14 +166,16 @@ extern "C" void lane_quant_linear(const int8_t* qx, const float* dx, const float
   const uint8_t* wp = static_cast<const uint8_t*>(w);
   parallel_for(N, 16, threads, [&](int64_t n0, int64_t n1) {
 #if defined(__AVX2__)
-    for (int64_t t0 = n0; t0 < n1; t0 += 16) {  // 16 weight rows stay in cache for every 4 input rows
+    // Rows go in balanced passes of at most 8 (M = 12: 6 + 6), so a step's cost grows
+    // smoothly with M; 16 weight rows stay in cache across a row's passes.
+    const int64_t passes = (M + 7) / 8;
+    for (int64_t t0 = n0; t0 < n1; t0 += 16) {
       const int64_t t1 = t0 + 16 < n1 ? t0 + 16 : n1;
-      int64_t m = 0;
-      for (; m + 4 <= M; m += 4)
-        rows_simd<4>(wp, qtype, qx + m * K, dx + m * nb, sx + m * nb, yf.data() + m * N, N, K, t0, t1);
-      for (; m + 2 <= M; m += 2)
-        rows_simd<2>(wp, qtype, qx + m * K, dx + m * nb, sx + m * nb, yf.data() + m * N, N, K, t0, t1);
-      if (m < M) rows_simd<1>(wp, qtype, qx + m * K, dx + m * nb, sx + m * nb, yf.data() + m * N, N, K, t0, t1);
+      for (int64_t p = 0, m = 0; p < passes; ++p) {
+        const int64_t r = M / passes + (p < M % passes);
+        kRows[r](wp, qtype, qx + m * K, dx + m * nb, sx + m * nb, yf.data() + m * N, N, K, t0, t1);
+        m += r;
+      }
     }
 #else
     std::vector<float> acc(M);
