@@ -40,6 +40,9 @@ class ModelConfig:
             raise ValueError(f"--quantization {self.quantization} is for safetensors checkpoints; a GGUF runs "
                              f"its own quantization with --quantization auto (or none to dequantize it)")
         self.device_type = torch.device(self.device) if self.device else platform.default_device()
+        if self.device_type.type != "cpu" and self.quantization in ("int8", "w8a8"):
+            raise ValueError(f"--quantization {self.quantization} runs on lane's CPU kernels; on "
+                             f"{self.device_type.type} use --quantization none")
         if self.device_type.type == "cpu":
             platform.cpu_isa()  # a bad LANE_CPU_ISA is refused here, by name
         self.dtype = platform.resolve_dtype(self.dtype, self.device_type)

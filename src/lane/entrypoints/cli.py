@@ -229,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     ex.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     ex.add_argument("--block-size", type=int, default=None)
     ex.add_argument("--kv-cache-memory-bytes", type=parse_bytes, default=None)
+    ex.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "w8a8"],
+                    help="the weights' resident memory under this --quantization (as lane serve takes it)")
     ex.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                     help="the cache layout with prefix caching on (default) or off")
 
@@ -246,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
             ex.error(f"--block-size must be >= 1, got {args.block_size}")
         try:
             print(explain(args.model_tag, args.dtype, args.block_size, args.kv_cache_memory_bytes,
-                          args.enable_prefix_caching))
+                          args.enable_prefix_caching, args.quantization))
         except (ValueError, FileNotFoundError, OSError) as e:
             ex.error(str(e))
         return 0

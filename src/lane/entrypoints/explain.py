@@ -92,11 +92,12 @@ def _compressed_layout(model, cfg, block_size: int, dtype, caching: bool, lines:
 
 
 def explain(model: str | None, dtype: str = "auto", block_size: int | None = None,
-            kv_cache_memory_bytes: int | None = None, enable_prefix_caching: bool = True) -> str:
+            kv_cache_memory_bytes: int | None = None, enable_prefix_caching: bool = True,
+            quantization: str = "auto") -> str:
     from lane.config import CacheConfig, ModelConfig, SchedulerConfig
 
     plugins.load_general_plugins()
-    mc = ModelConfig(model, dtype=dtype)
+    mc = ModelConfig(model, dtype=dtype, quantization=quantization)
     cfg = mc.hf_config
     block_size = mc.resolve_block_size(block_size)
     lines = [f"model: {mc.gguf_file or mc.model_dir}", "", "1 · registry (which implementation serves it)"]
@@ -141,8 +142,17 @@ def explain(model: str | None, dtype: str = "auto", block_size: int | None = Non
     from lane.model_executor.layers.attention import kv_cache_specs
 
     # the specs, groups and sizing the engine allocates from, on a weightless model
+    from lane.model_executor.loader import planned_weight_bytes
+
     model = meta_model(mc)
     dtype = mc.dtype
+    how = {"auto": "a GGUF's quantized weights in their blocks" if mc.gguf_file else "as stored",
+           "none": f"dequantized to {str(dtype).removeprefix('torch.')}" if mc.gguf_file else "as stored",
+           "int8": "linear and expert weights int8 per channel (W8A16)",
+           "w8a8": "linear and expert weights int8 per channel, activations int8 per token (W8A8)"}
+    lines.insert(lines.index("2 · attention backend (chosen from the config's fields)") - 1,
+                 f"  weights resident: {planned_weight_bytes(mc, model) / 2**20:,.1f} MiB "
+                 f"(--quantization {mc.quantization}: {how[mc.quantization]})")
     specs = kv_cache_specs(model, block_size, dtype, enable_prefix_caching)
     groups = group_kv_cache_specs(specs)
     if choice.name == "compressed":

@@ -13,7 +13,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lane.model_executor.layers.activation import silu_and_mul
-from lane.model_executor.layers.linear import linear
+from lane.model_executor.layers import cpu_kernels
+from lane.model_executor.layers.linear import int8_linear, linear
 
 
 def grouped_topk(router_logits: torch.Tensor, top_k: int, *, scoring_func: str = "sigmoid",
@@ -63,7 +64,9 @@ def fused_expert_name(name: str) -> str:
 
 class FusedMoE(nn.Module):
     """Routed experts' weights as stacked tensors: ``w13`` [E, 2I, H] (gate | up),
-    ``w2`` [E, H, I]."""
+    ``w2`` [E, H, I]; with --quantization int8 / w8a8, int8 per expert and output channel."""
+
+    qkind: str | None = None  # "int8" / "w8a8" once quantize_int8 ran
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  swiglu_limit: float | None = None) -> None:
@@ -85,6 +88,30 @@ class FusedMoE(nn.Module):
         inter = self.intermediate_size
         return "w13", self.w13[expert].narrow(0, inter * (proj == "up"), inter)
 
+    def quantize_int8(self, activations: bool) -> None:
+        """The loaded experts to int8 per (expert, output channel): qw13 / qw2 int8 with fp32
+        scales (and, for w8a8, int32 weight sums); the dense stacks go."""
+        self.qkind = "w8a8" if activations else "int8"
+        for name in ("w13", "w2"):
+            w = getattr(self, name).detach()
+            parts = [cpu_kernels.quantize_weight_int8(w[e]) for e in range(self.num_experts)]
+            q = torch.stack([p[0] for p in parts])
+            setattr(self, "q" + name, q)
+            setattr(self, name + "_scale", torch.stack([p[1] for p in parts]))
+            setattr(self, name + "_sums", torch.stack([cpu_kernels.int8_weight_sums(q[e]) for e in range(len(q))])
+                    if activations else None)
+            setattr(self, name, None)
+
+    def quantized_tensors(self) -> list[torch.Tensor | None]:
+        return [getattr(self, a, None) for a in ("qw13", "w13_scale", "w13_sums", "qw2", "w2_scale", "w2_sums")]
+
+    def _expert(self, name: str, e: int, x: torch.Tensor) -> torch.Tensor:
+        if self.qkind is None:
+            return linear(x, getattr(self, name)[e])
+        sums = getattr(self, name + "_sums")
+        return int8_linear(x, self.qkind, getattr(self, "q" + name)[e], getattr(self, name + "_scale")[e],
+                           None if sums is None else sums[e])
+
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """x [T, H]; topk_weights, topk_ids [T, k] -> [T, H]"""
         k = topk_ids.shape[1]
@@ -98,8 +125,8 @@ class FusedMoE(nn.Module):
         start = 0
         for e, n in enumerate(counts.tolist()):
             if n:
-                h = self._act(linear(rows[start:start + n], self.w13[e]))
-                out[start:start + n] = linear(h, self.w2[e])
+                h = self._act(self._expert("w13", e, rows[start:start + n]))
+                out[start:start + n] = self._expert("w2", e, h)
                 start += n
         out *= topk_weights.reshape(-1)[order, None].to(out.dtype)
         return torch.zeros_like(x).index_add_(0, token_of, out)

@@ -17,6 +17,9 @@ on every CPU.
   8-bit blocks once per call); above (prefill), the weight dequantized into a scratch
   buffer reused by every layer, then the dense GEMM: the dequantization is a few percent
   of a prefill's GEMM time, and the integer kernel's cost grows with every row.
+- int8 weights per output channel (``--quantization int8`` / ``w8a8``, quantized at load from a
+  safetensors checkpoint): the int8 kernels (W8A16 widens the weight in registers; W8A8
+  quantizes each row of activations to int8 once per call and multiplies int8 by int8).
 """
 from __future__ import annotations
 
@@ -61,9 +64,32 @@ def fast_cpu_gemm(dtype: torch.dtype) -> bool:
 
 class Linear(nn.Linear):
     packed_weight: torch.Tensor | None = None
-    # GGUF blocks kept as they are (Q4_0 / Q4_1 / Q8_0): uint8 [out_features, row bytes]
+    # A quantized weight, by kind: GGUF blocks kept as they are ("Q4_0" / "Q4_1" / "Q8_0": uint8
+    # [out_features, row bytes]), or int8 per output channel ("int8": W8A16, "w8a8": the
+    # activations quantized per token too; int8 [out_features, in_features] and weight_scale)
     qweight: torch.Tensor | None = None
     qkind: str | None = None
+    weight_scale: torch.Tensor | None = None  # int8: fp32 [out_features]
+    weight_sums: torch.Tensor | None = None  # w8a8: int32 [out_features], the VNNI offset's correction
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
+                 quantizable: bool | None = None) -> None:
+        super().__init__(in_features, out_features, bias, device, dtype)
+        # whether --quantization int8 / w8a8 may quantize it: not a weight the model reads as a
+        # matrix itself, an LM head, or one it keeps in float32 on purpose (dtype given)
+        self.quantizable = dtype is None if quantizable is None else quantizable
+
+    def quantized_tensors(self) -> list[torch.Tensor | None]:
+        return [self.qweight, self.weight_scale, self.weight_sums]
+
+    def quantize_int8(self, activations: bool) -> None:
+        """--quantization int8 / w8a8: the loaded weight to int8 per output channel; the dense
+        weight goes."""
+        self.qweight, self.weight_scale = cpu_kernels.quantize_weight_int8(self.weight.detach())
+        self.qkind = "w8a8" if activations else "int8"
+        if activations:
+            self.weight_sums = cpu_kernels.int8_weight_sums(self.qweight)
+        self.weight = None
 
     def load_quantized(self, kind: str, blocks: torch.Tensor, row_offset: int = 0) -> None:
         """Take GGUF blocks for rows [row_offset, row_offset + len(blocks)) of the weight
@@ -103,12 +129,22 @@ class Linear(nn.Linear):
         if not cpu_kernels.usable(x2):
             raise RuntimeError("quantized weights need the CPU kernels (LANE_CPU_KERNELS=0 or a failed build); "
                                "load with --quantization none")
-        if x2.shape[0] <= quant_rows(x.dtype):
+        if self.qkind in ("int8", "w8a8"):
+            y = int8_linear(x2, self.qkind, self.qweight, self.weight_scale, self.weight_sums, self.bias)
+        elif x2.shape[0] <= quant_rows(x.dtype):
             y = cpu_kernels.quant_linear(x2, self.qweight, self.qkind, self.out_features, self.bias)
         else:
             y = linear(x2, dequantized(self.qweight, self.qkind, (self.out_features, self.in_features), x.dtype),
                        self.bias)
         return y.view(*lead, self.out_features)
+
+
+def int8_linear(x: torch.Tensor, kind: str, qweight: torch.Tensor, scale: torch.Tensor,
+                sums: torch.Tensor | None, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] by an int8 weight (a Linear's, or one expert's): W8A16 or W8A8."""
+    if kind == "w8a8":
+        return cpu_kernels.int8_linear_w8a8(x, qweight, scale, bias, sums)
+    return cpu_kernels.int8_linear_w8a16(x, qweight, scale, bias)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

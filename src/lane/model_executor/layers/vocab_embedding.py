@@ -20,6 +20,9 @@ class VocabEmbedding(nn.Embedding):
         self.qweight, self.qkind = blocks, kind
         self.weight = None
 
+    def quantized_tensors(self) -> list[torch.Tensor | None]:
+        return [self.qweight]
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.qweight is None:
             return F.embedding(input_ids, self.weight)

@@ -44,13 +44,62 @@ def construct_model(model_cls: type[nn.Module], model_config: ModelConfig) -> nn
 
 
 def resident_weight_bytes(model: nn.Module) -> int:
-    """Bytes of the weights as held: dense parameters and kept quantized blocks (a tied
-    embedding and LM head share theirs), each tensor counted once."""
+    """Bytes of the weights as held: dense parameters and quantized tensors (kept GGUF blocks,
+    int8 weights and their scales; a tied embedding and LM head share theirs), each counted once."""
     seen: dict[int, int] = {}
-    for t in [*model.parameters(), *(getattr(m, "qweight", None) for m in model.modules())]:
+    quantized = [t for m in model.modules() if hasattr(m, "quantized_tensors") for t in m.quantized_tensors()]
+    for t in [*model.parameters(), *quantized]:
         if t is not None:
             seen[t.data_ptr()] = t.numel() * t.element_size()
     return sum(seen.values())
+
+
+def int8_targets(model: nn.Module) -> list[nn.Module]:
+    """What --quantization int8 / w8a8 quantizes: every quantizable Linear and every MoE expert
+    stack, but in layers the forward never runs (a DeepSeek MTP layer)."""
+    from lane.model_executor.layers.fused_moe import FusedMoE
+    from lane.model_executor.layers.linear import Linear
+
+    skip = tuple(getattr(model, "kv_cache_skip", ()))
+    return [m for name, m in model.named_modules() if not (skip and name.startswith(skip))
+            and ((isinstance(m, Linear) and m.quantizable) or isinstance(m, FusedMoE))]
+
+
+def quantize_weights_int8(model: nn.Module, activations: bool) -> int:
+    """--quantization int8 / w8a8 on a loaded model, layer by layer (the peak is one layer's
+    copy). Returns how many modules were quantized."""
+    targets = int8_targets(model)
+    for m in targets:
+        m.quantize_int8(activations)
+    return len(targets)
+
+
+def planned_weight_bytes(model_config: ModelConfig, model: nn.Module) -> int:
+    """The resident weight bytes ``get_model`` will report, from a weightless (meta) model and the
+    checkpoint's tensor records: what `lane explain` shows before anything loads."""
+    import math
+
+    import gguf
+
+    from lane.model_executor.layers.cpu_kernels import GGML_KINDS
+
+    if model_config.gguf_file:
+        from lane.model_executor.loader.gguf_loader import hf_tensor_name
+
+        keep = model_config.quantization == "auto" and model_config.device_type.type == "cpu"
+        size = torch.empty(0, dtype=model_config.dtype).element_size()
+        return sum(t.data.nbytes if keep and len(t.shape) == 2
+                   and gguf.GGMLQuantizationType(t.tensor_type).name in GGML_KINDS
+                   else math.prod(t.shape) * size
+                   for t in model_config.gguf_reader.tensors if hf_tensor_name(t.name))
+    dense = {id(p): p.numel() * p.element_size() for p in model.parameters()}
+    if model_config.quantization in ("int8", "w8a8"):
+        per_row = 4 + 4 * (model_config.quantization == "w8a8")  # fp32 scale (and int32 sum) per channel
+        for m in int8_targets(model):
+            for p in m.parameters(recurse=False):
+                if p.dim() >= 2:
+                    dense[id(p)] = p.numel() + p.numel() // p.shape[-1] * per_row
+    return sum(dense.values())
 
 
 def get_model(model_config: ModelConfig, load_threads: int = 4, progress: bool = True) -> nn.Module:
@@ -98,16 +147,19 @@ def get_model(model_config: ModelConfig, load_threads: int = 4, progress: bool =
                and not (n == "lm_head.weight" and getattr(model_config.hf_config, "tie_word_embeddings", False))]
     if missing:
         raise ValueError(f"checkpoint misses {len(missing)} tensors of {arch}, e.g. {missing[:3]}")
+    if model_config.quantization in ("int8", "w8a8"):
+        quantize_weights_int8(model, activations=model_config.quantization == "w8a8")
     model.eval()
     if tracer.enabled:  # step 4
         tracer.record(Step.LOADER_LOAD_WEIGHTS, t_load, time.monotonic(), tensors=len(loaded),
                       format="gguf" if model_config.gguf_file else "safetensors")
-    quantized = [m for m in model.modules() if getattr(m, "qweight", None) is not None]
+    quantized = [m for m in model.modules() if getattr(m, "qkind", None) is not None]
     resident = resident_weight_bytes(model)
     kinds = ", ".join(f"{k} x{n}" for k, n in sorted(Counter(m.qkind for m in quantized).items()))
+    rest = "dequantized to" if model_config.gguf_file else "kept in"
     logger.info("Loaded %s: architecture %s -> %s:%s in %.2f s; weights %.1f MiB resident%s",
                 model_config.short_name, arch, model_cls.__module__, model_cls.__qualname__,
                 time.perf_counter() - t0, resident / 2**20,
-                f" ({len(quantized)} linear layers kept quantized: {kinds}; the rest dequantized to "
+                f" ({len(quantized)} layers quantized: {kinds}; the rest {rest} "
                 f"{str(model_config.dtype).removeprefix('torch.')})" if quantized else "")
     return model

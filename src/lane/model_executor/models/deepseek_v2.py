@@ -71,7 +71,8 @@ class DeepseekV2MLAAttention(nn.Module):
             self.q_proj = Linear(hidden, q_out, bias=False)
             self.kv_a_proj_with_mqa = Linear(hidden, self.kv_lora_rank + self.rope_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, 1e-6)
-        self.kv_b_proj = Linear(self.kv_lora_rank, H * (self.nope + self.v_head_dim), bias=False)
+        # MLA absorbs its weight into the decode path (absorbed_weights): it stays as loaded
+        self.kv_b_proj = Linear(self.kv_lora_rank, H * (self.nope + self.v_head_dim), bias=False, quantizable=False)
         self.o_proj = Linear(H * self.v_head_dim, hidden, bias=bias)
         self.rotary = rotary
         attn_cls = platform.select_attention_backend(config).backend.get_impl_cls()  # mla / sparse_mla
@@ -165,7 +166,7 @@ class DeepseekMTPLayer(DeepseekV2DecoderLayer):
         self.eh_proj = Linear(2 * config.hidden_size, config.hidden_size, bias=False)
         self.shared_head = nn.Module()
         self.shared_head.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.shared_head.head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.shared_head.head = Linear(config.hidden_size, config.vocab_size, bias=False, quantizable=False)
 
 
 class DeepseekV2Model(LlamaModel):

@@ -104,7 +104,9 @@ class DeepseekV4Attention(nn.Module):
         self.wq_b = Linear(config.q_lora_rank, H * d, bias=False)
         self.wkv = Linear(config.hidden_size, d, bias=False)
         self.norm = V4RMSNorm(d, self.eps)
-        self.wo_a = Linear(H * d // config.o_groups, config.o_groups * config.o_lora_rank, bias=False)
+        # read as grouped matrices (torch.bmm in forward): stays as loaded
+        self.wo_a = Linear(H * d // config.o_groups, config.o_groups * config.o_lora_rank, bias=False,
+                           quantizable=False)
         self.wo_b = Linear(config.o_groups * config.o_lora_rank, config.hidden_size, bias=False)
         self.attn_sink = nn.Parameter(torch.zeros(H, dtype=torch.float32))
         rate = config.compress_rates[self.layer_type] if self.layer_type != SWA else 0
@@ -414,7 +416,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DeepseekV4Block(config, i, rope) for i in range(config.num_hidden_layers))
         self.hc_head = HyperHead(config.hc_mult, config.hidden_size, config.hc_eps, config.rms_norm_eps)
         self.norm = V4RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.head = Linear(config.hidden_size, config.vocab_size, bias=False, quantizable=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
