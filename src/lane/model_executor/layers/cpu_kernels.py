@@ -311,6 +311,15 @@ def quant_linear(x: torch.Tensor, blocks: torch.Tensor, kind: str, N: int, bias:
 # torch._int_mm for W8A8, a dequantized weight for W8A16. Without the kernels, torch only.
 
 INT8_SMALL_M = 16
+# W8A8 rows up to which the kernel beats torch._int_mm; None: 16, but 8 where oneDNN's _int_mm
+# has AMX int8 tiles (measured on SmolLM2's shapes, weights in cache)
+W8A8_SMALL_M: int | None = None
+
+
+def _w8a8_small_m() -> int:
+    if W8A8_SMALL_M is not None:
+        return W8A8_SMALL_M
+    return 8 if "amx_int8" in platform.cpu_flags() else INT8_SMALL_M
 
 
 def quantize_weight_int8(w: torch.Tensor, rows: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
@@ -383,7 +392,7 @@ def int8_linear_w8a8(x: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, bias: 
     dtype = x.dtype if x.dtype in _DTYPE_CODES else torch.float32
     y = torch.empty(M, N, dtype=dtype)
     threads = torch.get_num_threads()
-    if M <= INT8_SMALL_M:
+    if M <= _w8a8_small_m():
         if wsum is None:
             wsum = int8_weight_sums(qw)
         _lib.lane_int8_w8a8(qx.data_ptr(), sx.data_ptr(), qw.data_ptr(), sw.data_ptr(), wsum.data_ptr(),

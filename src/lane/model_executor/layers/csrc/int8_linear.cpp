@@ -240,6 +240,23 @@ void tile_fdots(const float* x, int64_t Kp, const int8_t* w, int64_t K, float* o
 #endif
 }
 
+template <typename T>
+void quantize_row(const T* x, int8_t* q, float* s, int64_t K) {
+  float amax = 0.f;
+#pragma omp simd reduction(max : amax)  // vectorises without -ffinite-math-only
+  for (int64_t k = 0; k < K; ++k) {
+    const float a = std::fabs(to_f(x[k]));
+    amax = a > amax ? a : amax;
+  }
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  for (int64_t k = 0; k < K; ++k) {
+    float v = __builtin_rintf(to_f(x[k]) * inv);
+    v = v > 127.f ? 127.f : (v < -127.f ? -127.f : v);
+    q[k] = static_cast<int8_t>(static_cast<int32_t>(v));
+  }
+  *s = amax / 127.f;
+}
+
 }  // namespace
 
 // x [M, K] (x_dtype) -> q [M, K] int8, s [M] fp32: s = max|x_row| / 127, q = round(x / s)
@@ -247,21 +264,8 @@ void tile_fdots(const float* x, int64_t Kp, const int8_t* w, int64_t K, float* o
 extern "C" void lane_quantize_per_token_int8(const void* x, int x_dtype, int8_t* q, float* s, int64_t M,
                                              int64_t K, int threads) {
   LANE_DISPATCH(x_dtype, T, {
-    const T* xp = static_cast<const T*>(x);
     parallel_for(M, K > 0 ? (1 << 15) / K + 1 : M, threads, [&](int64_t m0, int64_t m1) {
-      for (int64_t m = m0; m < m1; ++m) {
-        const T* xr = xp + m * K;
-        float amax = 0.f;
-        _Pragma("omp simd reduction(max : amax)")  // vectorises without -ffinite-math-only
-        for (int64_t k = 0; k < K; ++k) amax = std::fmax(amax, std::fabs(to_f(xr[k])));
-        const float inv = amax > 0.f ? 127.f / amax : 0.f;
-        for (int64_t k = 0; k < K; ++k) {
-          float v = __builtin_rintf(to_f(xr[k]) * inv);
-          v = v > 127.f ? 127.f : (v < -127.f ? -127.f : v);
-          q[m * K + k] = static_cast<int8_t>(static_cast<int32_t>(v));
-        }
-        s[m] = amax / 127.f;
-      }
+      for (int64_t m = m0; m < m1; ++m) quantize_row(static_cast<const T*>(x) + m * K, q + m * K, s + m, K);
     });
   });
 }
