@@ -137,7 +137,10 @@ void fdots_avx2(const float* x, int64_t Kp, const int8_t* w, int64_t K, float* o
     __m256 wv[C];
     for (int c = 0; c < C; ++c) {
       int64_t b8 = 0;  // 8 weights; a row's tail zero-filled, never read past the row
-      std::memcpy(&b8, w + c * K + k, K - k >= 8 ? 8 : K - k);
+      if (K - k >= 8)
+        std::memcpy(&b8, w + c * K + k, 8);  // a constant size: one load, not a memcpy call
+      else
+        std::memcpy(&b8, w + c * K + k, K - k);
       wv[c] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(b8)));
     }
     for (int r = 0; r < R; ++r) {
