@@ -37,7 +37,8 @@ from lane import platform
 logger = logging.getLogger(__name__)
 
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
-_SOURCES = ("paged_attention.cpp", "gemv.cpp", "elementwise.cpp", "dequant.cpp", "quant_linear.cpp", "threads.cpp", "module.cpp")
+_SOURCES = ("paged_attention.cpp", "gemv.cpp", "elementwise.cpp", "dequant.cpp", "quant_linear.cpp", "int8_linear.cpp",
+            "threads.cpp", "module.cpp")
 _SOURCE_CFLAGS = {"dequant.cpp": ["-ffp-contract=off"]}  # round as the numpy reference does
 _HEADERS = ("common.h",)
 # no -ffast-math: its finite-math-only would fold the kernels' -inf checks away
@@ -315,3 +316,148 @@ def bind_threads(cpus: list[int]) -> None:
     _lib.lane_bind_threads(ids.data_ptr(), len(cpus), failed.data_ptr())
     if int(failed):
         raise OSError(f"could not bind {int(failed)} of {len(cpus)} threads to CPUs {cpus}")
+
+
+# -- int8 weights, one fp32 scale per output channel (--quantization int8 / w8a8) ----------
+# qw int8 [N, K] and sw fp32 [N] contiguous. Up to INT8_SMALL_M rows (decode, verify) run the
+# C++ kernels, which stream each weight row once; more rows (prefill) run torch's GEMMs:
+# torch._int_mm for W8A8, a dequantized weight for W8A16. Without the kernels, torch only.
+
+INT8_SMALL_M = 16
+# W8A8 rows up to which the kernel beats torch._int_mm; None: 16, but 8 where oneDNN's _int_mm
+# has AMX int8 tiles (measured on SmolLM2's shapes, weights in cache)
+W8A8_SMALL_M: int | None = None
+
+
+def _w8a8_small_m() -> int:
+    if W8A8_SMALL_M is not None:
+        return W8A8_SMALL_M
+    return 8 if "amx_int8" in platform.cpu_flags() else INT8_SMALL_M
+
+
+def quantize_weight_int8(w: torch.Tensor, rows: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] float -> (qw int8 [N, K], sw fp32 [N]): symmetric per output channel,
+    sw = max|w_row| / 127, qw = round(w / sw) (a zero row: sw = 0, qw = 0). In chunks of
+    ``rows`` rows, so a large weight needs no whole fp32 copy."""
+    N, K = w.shape
+    qw = torch.empty(N, K, dtype=torch.int8)
+    sw = torch.empty(N, dtype=torch.float32)
+    for i in range(0, N, rows):
+        c = w[i:i + rows].float()
+        s = c.abs().amax(dim=1) / 127
+        qw[i:i + rows] = torch.round(c / torch.where(s > 0, s, 1)[:, None]).clamp_(-127, 127).to(torch.int8)
+        sw[i:i + rows] = s
+    return qw, sw
+
+
+def int8_weight_sums(qw: torch.Tensor) -> torch.Tensor:
+    """Row sums of qw [N, K] as int32 [N]: the VNNI kernel's correction for feeding x as x + 128
+    (compute once at load and pass as wsum)."""
+    return qw.sum(dim=1, dtype=torch.int32)
+
+
+def quantize_per_token_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] fp32 / bf16 / fp16 -> (qx int8 [M, K], sx fp32 [M]): symmetric per row,
+    sx = max|x_row| / 127, qx = round(x / sx) (rounded as x * (127 / max|x_row|))."""
+    M, K = x.shape
+    if _lib is None or x.dtype not in _DTYPE_CODES:
+        xf = x.float()
+        sx = xf.abs().amax(dim=1) / 127
+        return torch.round(xf / torch.where(sx > 0, sx, 1)[:, None]).clamp_(-127, 127).to(torch.int8), sx
+    x = x.contiguous()
+    qx = torch.empty(M, K, dtype=torch.int8)
+    sx = torch.empty(M, dtype=torch.float32)
+    _lib.lane_quantize_per_token_int8(x.data_ptr(), _DTYPE_CODES[x.dtype], qx.data_ptr(), sx.data_ptr(), M, K,
+                                      torch.get_num_threads())
+    return qx, sx
+
+
+def _bias_f32(bias):
+    return None if bias is None else bias.to(torch.float32).contiguous()
+
+
+def int8_w8a8_dots(qx: torch.Tensor, qw: torch.Tensor, wsum: torch.Tensor | None = None) -> torch.Tensor:
+    """The int32 dot products qx [M, K] . qw [N, K]^T -> [M, N] that int8_linear_w8a8 scales
+    (the tests' hook): the kernel for M <= INT8_SMALL_M (the VNNI path when wsum is given and the
+    CPU has it, else maddubs / generic), torch._int_mm above."""
+    M, K = qx.shape
+    N = qw.shape[0]
+    if _lib is None or M > INT8_SMALL_M:
+        return torch._int_mm(qx, qw.t())
+    dots = torch.empty(M, N, dtype=torch.int32)
+    _lib.lane_int8_w8a8(qx.data_ptr(), None, qw.data_ptr(), None, None if wsum is None else wsum.data_ptr(),
+                        None, dots.data_ptr(), None, 0, M, N, K, torch.get_num_threads())
+    return dots
+
+
+def int8_linear_w8a8(x: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None = None,
+                     wsum: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ (qw * sw)^T (+ bias) -> [M, N] in x's dtype, x quantized per row to int8
+    (quantize_per_token_int8) and int32 dot products: y = sx * sw * dot + bias. wsum
+    (int8_weight_sums(qw), made at load) lets the VNNI path run; without it, it is made here."""
+    M, K = x.shape
+    N = qw.shape[0]
+    qx, sx = quantize_per_token_int8(x)
+    b = _bias_f32(bias)
+    if _lib is None:
+        y = torch._int_mm(qx, qw.t()).float() * sx[:, None] * sw
+        return (y if b is None else y + b).to(x.dtype)
+    dtype = x.dtype if x.dtype in _DTYPE_CODES else torch.float32
+    y = torch.empty(M, N, dtype=dtype)
+    threads = torch.get_num_threads()
+    if M <= _w8a8_small_m():
+        if wsum is None:
+            wsum = int8_weight_sums(qw)
+        _lib.lane_int8_w8a8(qx.data_ptr(), sx.data_ptr(), qw.data_ptr(), sw.data_ptr(), wsum.data_ptr(),
+                            None if b is None else b.data_ptr(), None, y.data_ptr(), _DTYPE_CODES[dtype], M, N, K,
+                            threads)
+    else:
+        dots = torch._int_mm(qx, qw.t())
+        _lib.lane_int8_scale(dots.data_ptr(), sx.data_ptr(), sw.data_ptr(), None if b is None else b.data_ptr(),
+                             y.data_ptr(), _DTYPE_CODES[dtype], M, N, threads)
+    return y.to(x.dtype)
+
+
+def int8_linear_w8a16(x: torch.Tensor, qw: torch.Tensor, sw: torch.Tensor, bias: torch.Tensor | None = None
+                      ) -> torch.Tensor:
+    """x [M, K] @ (qw * sw)^T (+ bias) -> [M, N] in x's dtype, x kept in floating point (fp32
+    arithmetic): y = (x . qw^T) * sw + bias."""
+    M, K = x.shape
+    N = qw.shape[0]
+    b = _bias_f32(bias)
+    if usable(x) and M <= INT8_SMALL_M:
+        x = x.contiguous()
+        y = torch.empty(M, N, dtype=x.dtype)
+        _lib.lane_int8_w8a16(x.data_ptr(), _DTYPE_CODES[x.dtype], qw.data_ptr(), sw.data_ptr(),
+                             None if b is None else b.data_ptr(), y.data_ptr(), M, N, K, torch.get_num_threads())
+        return y
+    # large M: torch's GEMM over the weight dequantized tile by tile (at most ~8 MiB at a time).
+    # bf16 with AMX / AVX512-BF16: a bf16 GEMM on the integers (exact in bf16), scaled in fp32
+    # after; otherwise fp32, the scale folded into the weight tile.
+    exact_ints = x.dtype == torch.bfloat16 and platform.cpu_has_fast_bf16()
+    gdtype = torch.bfloat16 if exact_ints else torch.float32
+    xg = x.to(gdtype)
+    rows = max(1, (8 << 20) // (K * gdtype.itemsize))
+    y = torch.empty(M, N, dtype=gdtype)
+    for n0 in range(0, N, rows):
+        n1 = min(N, n0 + rows)
+        w = _dequant_int8(qw, None if exact_ints else sw, gdtype, n0, n1)
+        if n1 - n0 == N:
+            y = torch.nn.functional.linear(xg, w, None if exact_ints else b)
+        else:
+            y[:, n0:n1] = torch.nn.functional.linear(xg, w, None if exact_ints or b is None else b[n0:n1])
+    if exact_ints:
+        y = y.float() * sw if b is None else torch.addcmul(b, y.float(), sw)
+    return y.to(x.dtype)
+
+
+def _dequant_int8(qw, sw, dtype, n0, n1):
+    """Rows [n0, n1) of qw as dtype, times sw unless sw is None."""
+    K = qw.shape[1]
+    if _lib is None:
+        w = qw[n0:n1].to(dtype)
+        return w if sw is None else (w * sw[n0:n1, None]).to(dtype)
+    out = torch.empty(n1 - n0, K, dtype=dtype)
+    _lib.lane_int8_dequant(qw.data_ptr(), None if sw is None else sw.data_ptr(), out.data_ptr(), _DTYPE_CODES[dtype],
+                           n0, n1, K, torch.get_num_threads())
+    return out

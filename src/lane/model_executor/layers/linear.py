@@ -126,11 +126,11 @@ class Linear(nn.Linear):
     def _quantized(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        if not cpu_kernels.usable(x2):
-            raise RuntimeError("quantized weights need the CPU kernels (LANE_CPU_KERNELS=0 or a failed build); "
-                               "load with --quantization none")
-        if self.qkind in ("int8", "w8a8"):
+        if self.qkind in ("int8", "w8a8"):  # these have torch paths too
             y = int8_linear(x2, self.qkind, self.qweight, self.weight_scale, self.weight_sums, self.bias)
+        elif not cpu_kernels.usable(x2):
+            raise RuntimeError("GGUF blocks need the CPU kernels (LANE_CPU_KERNELS=0 or a failed build); "
+                               "load with --quantization none")
         elif x2.shape[0] <= quant_rows(x.dtype):
             y = cpu_kernels.quant_linear(x2, self.qweight, self.qkind, self.out_features, self.bias)
         else:

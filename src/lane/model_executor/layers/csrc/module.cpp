@@ -23,6 +23,13 @@ void lane_quantize_rows_q8(const void*, int, int8_t*, float*, float*, int64_t, i
 void lane_quant_block_dots(const int8_t*, const void*, int, int32_t*, int64_t, int64_t, int64_t);
 void lane_quant_linear(const int8_t*, const float*, const float*, const void*, int, const float*, void*, int,
                        int64_t, int64_t, int64_t, int);
+void lane_quantize_per_token_int8(const void*, int, int8_t*, float*, int64_t, int64_t, int);
+void lane_int8_scale(const int32_t*, const float*, const float*, const float*, void*, int, int64_t, int64_t, int);
+void lane_int8_w8a8(const int8_t*, const float*, const int8_t*, const float*, const int32_t*, const float*,
+                    int32_t*, void*, int, int64_t, int64_t, int64_t, int);
+void lane_int8_w8a16(const void*, int, const int8_t*, const float*, const float*, void*, int64_t, int64_t,
+                     int64_t, int);
+void lane_int8_dequant(const int8_t*, const float*, void*, int, int64_t, int64_t, int64_t, int);
 void lane_bind_threads(const int32_t*, int, int32_t*);
 }
 
@@ -63,7 +70,8 @@ PyMethodDef methods[] = {
     LANE_DEF(lane_paged_decode_attention), LANE_DEF(lane_small_m_linear), LANE_DEF(lane_rms_norm_),
     LANE_DEF(lane_rotary_), LANE_DEF(lane_silu_and_mul), LANE_DEF(lane_sinkhorn_),
     LANE_DEF(lane_dequant_ggml), LANE_DEF(lane_quantize_rows_q8), LANE_DEF(lane_quant_block_dots),
-    LANE_DEF(lane_quant_linear), LANE_DEF(lane_bind_threads),
+    LANE_DEF(lane_quant_linear), LANE_DEF(lane_quantize_per_token_int8), LANE_DEF(lane_int8_scale),
+    LANE_DEF(lane_int8_w8a8), LANE_DEF(lane_int8_w8a16), LANE_DEF(lane_int8_dequant), LANE_DEF(lane_bind_threads),
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "lane_kernels", "lane's CPU kernels", -1, methods};
