@@ -37,7 +37,8 @@ def hf_smollm(smollm_gguf):
 def lane_smollm_fp32(smollm_gguf):
     from lane import LLM
 
-    return LLM(smollm_gguf, dtype="float32", kv_cache_memory_bytes=512 << 20,
+    # the float32 path (weights dequantized at load): what equals HF transformers
+    return LLM(smollm_gguf, dtype="float32", quantization="none", kv_cache_memory_bytes=512 << 20,
                max_model_len=2048, show_progress=False)
 
 

@@ -23,6 +23,7 @@ def baseline(lane_smollm_fp32):
 def _llm(gguf, **kw):
     kw.setdefault("kv_cache_memory_bytes", 256 << 20)
     kw.setdefault("max_model_len", 1024)
+    kw.setdefault("quantization", "none")  # the float32 path, where batching never changes greedy output
     return LLM(gguf, dtype="float32", show_progress=False, **kw)
 
 

@@ -91,9 +91,9 @@ def test_kernels_on_narrower_paths(isa):
     assert json.loads(r.stdout.strip().splitlines()[-1])["isa"] == isa
 
 
-def perplexity(llm, ids: list[int], chunk: int = 16) -> float:
-    """Teacher-forced perplexity, fed in chunks of ``chunk`` tokens (the rows the integer
-    kernels take) through the runner's own attention metadata."""
+def teacher_forced_logits(llm, ids: list[int], chunk: int = 16) -> torch.Tensor:
+    """Logits at every position, fed in chunks of ``chunk`` tokens (rows the integer kernels
+    take) through the runner's own attention metadata."""
     from lane.attention.metadata import CommonAttentionMetadata, set_forward_context
 
     runner, model = llm.engine.worker.runner, llm.engine.worker.model
@@ -104,7 +104,11 @@ def perplexity(llm, ids: list[int], chunk: int = 16) -> float:
         md = runner._attn_metadata(CommonAttentionMetadata(0, [0], [e - s], [s], [s == 0]), [table])
         with torch.inference_mode(), set_forward_context(md):
             logits.append(model.compute_logits(model(torch.tensor(ids[s:e]), torch.arange(s, e))))
-    nll = torch.nn.functional.cross_entropy(torch.cat(logits)[:-1].float(), torch.tensor(ids[1:]))
+    return torch.cat(logits).float()
+
+
+def perplexity(llm, ids: list[int], chunk: int = 16) -> float:
+    nll = torch.nn.functional.cross_entropy(teacher_forced_logits(llm, ids, chunk)[:-1], torch.tensor(ids[1:]))
     return math.exp(float(nll))
 
 
@@ -118,6 +122,10 @@ def test_smollm_quantized_memory_and_perplexity(smollm_gguf):
     q = LLM(smollm_gguf, quantization="auto", **args)
     dense = LLM(smollm_gguf, quantization="none", **args)
     assert resident_weight_bytes(q.engine.worker.model) <= 1.15 * file_bytes
+    from lane.entrypoints.explain import explain
+    for llm, how in ((q, "auto"), (dense, "none")):  # explain's figure, before loading, is the loaded one
+        mib = resident_weight_bytes(llm.engine.worker.model) / 2**20
+        assert f"weights resident: {mib:,.1f} MiB" in explain(smollm_gguf, "float32", quantization=how)
     assert resident_weight_bytes(dense.engine.worker.model) > 4 * file_bytes
     layers = q.engine.worker.model.model.layers
     assert layers[0].self_attn.qkv_proj.qkind == "Q4_1" and layers[0].self_attn.qkv_proj.weight is None
@@ -128,6 +136,70 @@ def test_smollm_quantized_memory_and_perplexity(smollm_gguf):
     assert abs(p_q / p_dense - 1) < 0.01, (p_q, p_dense)
     out = q.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
     assert "Paris" in out[0].outputs[0].text
+
+
+def fake_quantize_int8(llm) -> None:
+    """The dense model's int8 targets replaced in place by their int8 values times the scales:
+    the model that --quantization int8 computes exactly (up to float rounding)."""
+    from lane.model_executor.layers.fused_moe import FusedMoE
+    from lane.model_executor.loader import int8_targets
+
+    def fake(w: torch.Tensor) -> None:
+        qw, sw = cpu_kernels.quantize_weight_int8(w)
+        w.copy_(qw.float() * sw[:, None])
+
+    with torch.no_grad():
+        for m in int8_targets(llm.engine.worker.model):
+            for w in ([*m.w13, *m.w2] if isinstance(m, FusedMoE) else [m.weight]):
+                fake(w)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "w8a8"])
+@pytest.mark.parametrize("arch", ["llama", "deepseek_v3", "deepseek_v4"])
+def test_int8_checkpoints(tmp_path, arch, quantization):
+    """--quantization int8 / w8a8 on a safetensors checkpoint (dense layers and MoE experts): the
+    linear weights become int8 per channel; weights read as matrices, the LM heads and the MTP
+    layer stay dense. W8A16 computes exactly the model whose weights are their int8 values times
+    the scales; W8A8 adds per-token activation rounding; on tiny llama both track the float model."""
+    from lane import LLM
+    from lane.entrypoints.explain import explain
+    from lane.entrypoints.tiny_model import write_tiny_model
+    from lane.model_executor.layers.fused_moe import FusedMoE
+    from lane.model_executor.layers.linear import Linear
+    from lane.model_executor.loader import int8_targets, resident_weight_bytes
+
+    d = write_tiny_model(arch, str(tmp_path / arch))
+    args = dict(dtype="float32", show_progress=False, kv_cache_memory_bytes=32 << 20, max_model_len=256)
+    dense, fake, q = (LLM(d, quantization="none", **args), LLM(d, quantization="none", **args),
+                      LLM(d, quantization=quantization, **args))
+    model = q.engine.worker.model
+    targets = int8_targets(model)
+    assert targets and all(m.qkind == quantization for m in targets)
+    assert all(m.weight is None and m.qweight.dtype == torch.int8 for m in targets if isinstance(m, Linear))
+    assert all(m.w13 is None and m.qw13.dtype == torch.int8 for m in targets if isinstance(m, FusedMoE))
+    assert any(isinstance(m, FusedMoE) for m in targets) == arch.startswith("deepseek")
+    kept = [m for m in model.modules() if isinstance(m, Linear) and m not in targets]
+    assert kept and all(m.qkind is None and m.weight is not None for m in kept)  # heads, kv_b_proj, wo_a, mtp
+    resident = resident_weight_bytes(model)
+    assert resident < resident_weight_bytes(dense.engine.worker.model)
+    assert f"weights resident: {resident / 2**20:,.1f} MiB" in explain(d, "float32", quantization=quantization)
+    fake_quantize_int8(fake)
+    ids = q.get_tokenizer().encode("The quick brown fox jumps over the lazy dog. " * 6)[:64]
+    got, ref, ref_fake = (teacher_forced_logits(llm, ids) for llm in (q, dense, fake))
+    rel_fake = float((got - ref_fake).norm() / ref_fake.norm())
+    # W8A8's activation rounding (exact per layer: test_int8_linear.py) grows through the tiny
+    # DeepSeeks' random layers to ~20%; garbage would be ~100%
+    assert rel_fake < (1e-4 if quantization == "int8" else 0.05 if arch == "llama" else 0.3), rel_fake
+    if arch == "llama":  # (the tiny DeepSeeks' random weights amplify any rounding, int8's too)
+        assert float((got - ref).norm() / ref.norm()) < 0.1
+        assert float((got.argmax(-1) == ref.argmax(-1)).float().mean()) >= 0.85
+
+
+def test_int8_on_a_gguf_is_refused_by_name(smollm_gguf):
+    from lane import LLM
+
+    with pytest.raises(ValueError, match="--quantization int8 is for safetensors checkpoints"):
+        LLM(smollm_gguf, quantization="int8", show_progress=False)
 
 
 def test_bad_quantization_is_refused():

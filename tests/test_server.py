@@ -12,7 +12,7 @@ from conftest import PROMPTS
 from utils import RemoteServer, metric
 
 MODEL = "smollm"
-SERVER_ARGS = ["--dtype", "float32", "--kv-cache-memory-bytes", "256M", "--max-model-len", "2048",
+SERVER_ARGS = ["--dtype", "float32", "--quantization", "none", "--kv-cache-memory-bytes", "256M", "--max-model-len", "2048",
                "--served-model-name", MODEL]
 
 

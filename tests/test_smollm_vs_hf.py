@@ -30,7 +30,7 @@ def test_greedy_batch_matches_hf_fp32(lane_smollm_fp32, hf_smollm):
 
 def test_greedy_bf16_report(smollm_gguf, hf_smollm, capsys):
     """bf16 rounding depends on batch shape: report how many tokens agree with HF fp32."""
-    llm = LLM(smollm_gguf, dtype="bfloat16", kv_cache_memory_bytes=256 << 20,
+    llm = LLM(smollm_gguf, dtype="bfloat16", quantization="none", kv_cache_memory_bytes=256 << 20,
               max_model_len=1024, show_progress=False)
     tok = llm.get_tokenizer()
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True),
