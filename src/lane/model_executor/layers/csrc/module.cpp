@@ -23,6 +23,11 @@ void lane_quantize_rows_q8(const void*, int, int8_t*, float*, float*, int64_t, i
 void lane_quant_block_dots(const int8_t*, const void*, int, int32_t*, int64_t, int64_t, int64_t);
 void lane_quant_linear(const int8_t*, const float*, const float*, const void*, int, const float*, void*, int,
                        int64_t, int64_t, int64_t, int);
+void lane_dequant_kquant(const void*, int, int64_t, void*, int, int);
+void lane_quantize_rows_q8k(const void*, int, int8_t*, float*, int16_t*, int64_t, int64_t);
+void lane_kquant_sub_dots(const int8_t*, const void*, int, int32_t*, int64_t, int64_t, int64_t);
+void lane_kquant_linear(const int8_t*, const float*, const int16_t*, const void*, int, const float*, void*, int,
+                        int64_t, int64_t, int64_t, int);
 }
 
 namespace {
@@ -62,7 +67,8 @@ PyMethodDef methods[] = {
     LANE_DEF(lane_paged_decode_attention), LANE_DEF(lane_small_m_linear), LANE_DEF(lane_rms_norm_),
     LANE_DEF(lane_rotary_), LANE_DEF(lane_silu_and_mul), LANE_DEF(lane_sinkhorn_),
     LANE_DEF(lane_dequant_ggml), LANE_DEF(lane_quantize_rows_q8), LANE_DEF(lane_quant_block_dots),
-    LANE_DEF(lane_quant_linear),
+    LANE_DEF(lane_quant_linear), LANE_DEF(lane_dequant_kquant), LANE_DEF(lane_quantize_rows_q8k),
+    LANE_DEF(lane_kquant_sub_dots), LANE_DEF(lane_kquant_linear),
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "lane_kernels", "lane's CPU kernels", -1, methods};
