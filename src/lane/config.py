@@ -27,7 +27,7 @@ class ModelConfig:
     max_model_len: int | None = None
     seed: int = 0
     device: str | None = None
-    # auto: a GGUF's Q4_0 / Q4_1 / Q8_0 weights stay in their blocks; none: dequantized at load
+    # auto: a GGUF's Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K weights stay in their blocks; none: dequantized at load
     quantization: str = "none"
 
     def __post_init__(self) -> None:

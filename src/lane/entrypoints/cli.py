@@ -28,9 +28,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: bfloat16 on CPUs with AVX512-BF16/AMX, else float32")
     g.add_argument("--quantization", default="none", choices=["auto", "none"],
-                   help="auto: a GGUF's Q4_0 / Q4_1 / Q8_0 weights stay in their blocks (integer kernels for "
-                        "up to 16 rows: faster decode, a fifth of the memory); none (default): dequantized "
-                        "at load to --dtype")
+                   help="auto: a GGUF's Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K weights stay in their blocks "
+                        "(integer kernels for up to 16 rows: faster decode, a fifth of the memory); none "
+                        "(default): dequantized at load to --dtype")
     g.add_argument("--threads", type=int, default=None,
                    help="threads of torch and the CPU kernels (default and most: the CPUs this process may use)")
     g.add_argument("--block-size", type=int, default=None,

@@ -12,7 +12,7 @@ on every CPU.
   bf16 / fp16 storage, fp32 math, as vLLM's CPU build runs bf16 on AVX2. Up to
   ``UPCAST_ROWS`` rows the small-M kernel reads the weight as stored; above, the
   weight is widened per call and fp32 GEMM runs.
-- GGUF Q4_0 / Q4_1 / Q8_0 weights kept in their blocks (``--quantization auto``): up to
+- GGUF Q4_0 / Q4_1 / Q8_0 / K-quant weights kept in their blocks (``--quantization auto``): up to
   ``QUANT_ROWS`` rows, the integer kernel (each row quantized to 8-bit blocks once per
   call); above, the weight dequantized for the call and the dense path.
 """
@@ -43,7 +43,7 @@ def fast_cpu_gemm(dtype: torch.dtype) -> bool:
 
 class Linear(nn.Linear):
     packed_weight: torch.Tensor | None = None
-    # GGUF blocks kept as they are (Q4_0 / Q4_1 / Q8_0): uint8 [out_features, row bytes]
+    # GGUF blocks kept as they are (a kind of cpu_kernels.GGML_KINDS): uint8 [out_features, row bytes]
     qweight: torch.Tensor | None = None
     qkind: str | None = None
 

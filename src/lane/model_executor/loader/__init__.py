@@ -53,6 +53,10 @@ def resident_weight_bytes(model: nn.Module) -> int:
     return sum(seen.values())
 
 
+def _kinds(c: Counter) -> str:
+    return ", ".join(f"{k} x{n}" for k, n in sorted(c.items()))
+
+
 def get_model(model_config: ModelConfig, load_threads: int = 4, progress: bool = True) -> nn.Module:
     t_resolve = time.monotonic()
     model_cls, arch = ModelRegistry.resolve_model_cls(model_config.hf_config.architectures)
@@ -68,6 +72,7 @@ def get_model(model_config: ModelConfig, load_threads: int = 4, progress: bool =
         loaded.update(model.load_weights([(name, tensor)]))
 
     desc = f"Loading {model_config.short_name}"
+    dequantized: Counter = Counter()  # GGUF quantized tensors dequantized at load, by kind
     if model_config.gguf_file:
         from lane.model_executor.loader.gguf_loader import iter_gguf_weights
 
@@ -75,7 +80,8 @@ def get_model(model_config: ModelConfig, load_threads: int = 4, progress: bool =
         # one load_weights call for the whole stream: it maps the parameters once
         loaded.update(model.load_weights(tqdm(
             iter_gguf_weights(reader, model_config.hf_config, model_config.dtype,
-                              keep_quantized=model_config.quantization == "auto" and model_config.device_type.type == "cpu"),
+                              keep_quantized=model_config.quantization == "auto" and model_config.device_type.type == "cpu",
+                              dequantized=dequantized),
             total=len(reader.tensors), desc=desc, disable=not progress, unit="tensor")))
     else:
         from lane.model_executor.loader.safetensors_loader import (count_tensors, load_safetensors,
@@ -104,10 +110,13 @@ def get_model(model_config: ModelConfig, load_threads: int = 4, progress: bool =
                       format="gguf" if model_config.gguf_file else "safetensors")
     quantized = [m for m in model.modules() if getattr(m, "qweight", None) is not None]
     resident = resident_weight_bytes(model)
-    kinds = ", ".join(f"{k} x{n}" for k, n in sorted(Counter(m.qkind for m in quantized).items()))
+    notes = []  # what stays in GGUF blocks, and which quantized kinds did not
+    if quantized:
+        notes.append(f"{len(quantized)} linear layers kept quantized: {_kinds(Counter(m.qkind for m in quantized))}")
+    if dequantized:
+        notes.append(f"quantized tensors dequantized at load to "
+                     f"{str(model_config.dtype).removeprefix('torch.')}: {_kinds(dequantized)}")
     logger.info("Loaded %s: architecture %s -> %s:%s in %.2f s; weights %.1f MiB resident%s",
                 model_config.short_name, arch, model_cls.__module__, model_cls.__qualname__,
-                time.perf_counter() - t0, resident / 2**20,
-                f" ({len(quantized)} linear layers kept quantized: {kinds}; the rest dequantized to "
-                f"{str(model_config.dtype).removeprefix('torch.')})" if quantized else "")
+                time.perf_counter() - t0, resident / 2**20, f" ({'; '.join(notes)})" if notes else "")
     return model
