@@ -214,3 +214,100 @@ def test_kernels_on_other_paths(isa, vnni):
                        cwd=os.path.dirname(os.path.dirname(__file__)))
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads(r.stdout.strip().splitlines()[-1])["isa"] == isa
+
+
+# -- end to end: a tiny K-quantized llama ----------------------------------------------------
+
+HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 256, 512, 2, 4, 2
+# Q4_K_M-like: Q4_K mostly, Q6_K for the embedding, output and layer 0's attn_v (so its fused
+# qkv mixes kinds and runs dense), Q5_K / Q6_K ffn_down
+KINDS = {"token_embd": "Q6_K", "output": "Q6_K", "attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": ("Q6_K", "Q4_K"),
+         "attn_output": "Q5_K", "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": ("Q5_K", "Q6_K")}
+
+
+@pytest.fixture(scope="module")
+def kquant_gguf(tmp_path_factory) -> str:
+    import gguf
+    from tokenizers import pre_tokenizers
+
+    tokens = ["<s>", "</s>"] + sorted(pre_tokenizers.ByteLevel.alphabet())  # byte-level, no merges
+    rng = np.random.default_rng(0)
+    path = str(tmp_path_factory.mktemp("kquant") / "tiny-kquant.gguf")
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_block_count(LAYERS)
+    w.add_embedding_length(HIDDEN)
+    w.add_feed_forward_length(FFN)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_context_length(512)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_rope_freq_base(10000.0)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types([3, 3] + [1] * (len(tokens) - 2))
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(1)
+    hd = HIDDEN // HEADS
+
+    def add(name: str, rows: int, cols: int, kind: str, std: float) -> None:
+        x = rng.standard_normal((rows, cols)).astype(np.float32) * std
+        w.add_tensor(name, quantize(kind, x), raw_dtype=gguf.GGMLQuantizationType[kind])
+
+    add("token_embd.weight", len(tokens), HIDDEN, KINDS["token_embd"], 1.0)
+    add("output.weight", len(tokens), HIDDEN, KINDS["output"], 1.0)  # peaked logits: greedy is stable
+    w.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
+    shapes = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (KV_HEADS * hd, HIDDEN), "attn_v": (KV_HEADS * hd, HIDDEN),
+              "attn_output": (HIDDEN, HIDDEN), "ffn_gate": (FFN, HIDDEN), "ffn_up": (FFN, HIDDEN),
+              "ffn_down": (HIDDEN, FFN)}
+    for i in range(LAYERS):
+        for part, (rows, cols) in shapes.items():
+            kind = KINDS[part] if isinstance(KINDS[part], str) else KINDS[part][i]
+            add(f"blk.{i}.{part}.weight", rows, cols, kind, cols ** -0.5)  # gain 1
+        for norm in ("attn_norm", "ffn_norm"):
+            w.add_tensor(f"blk.{i}.{norm}.weight", (1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _logits(llm, ids: list[int], chunk: int) -> torch.Tensor:
+    """Teacher-forced logits, fed ``chunk`` tokens a forward (<= 16: the integer kernels)."""
+    from lane.attention.metadata import CommonAttentionMetadata, set_forward_context
+
+    runner, model = llm.engine.worker.runner, llm.engine.worker.model
+    table = tuple(list(range(1, 1 + -(-len(ids) // runner.block_size))) for _ in runner.kv_cache_config.groups)
+    out = []
+    for s in range(0, len(ids), chunk):
+        e = min(s + chunk, len(ids))
+        md = runner._attn_metadata(CommonAttentionMetadata(0, [0], [e - s], [s], [s == 0]), [table])
+        with torch.inference_mode(), set_forward_context(md):
+            out.append(model.compute_logits(model(torch.tensor(ids[s:e]), torch.arange(s, e))))
+    return torch.cat(out).float()
+
+
+def test_tiny_kquant_llama_auto_matches_dequantized(kquant_gguf):
+    from lane import LLM, SamplingParams
+
+    args = dict(dtype="float32", show_progress=False, max_model_len=256, kv_cache_memory_bytes=16 << 20, threads=1)
+    q, dense = LLM(kquant_gguf, quantization="auto", **args), LLM(kquant_gguf, quantization="none", **args)
+    m = q.engine.worker.model
+    assert m.model.embed_tokens.qkind == "Q6_K" and m.lm_head.qkind == "Q6_K"
+    layers = m.model.layers
+    assert layers[0].self_attn.qkv_proj.qweight is None and layers[0].self_attn.qkv_proj.qkind == "Q4_K+Q6_K"
+    assert layers[1].self_attn.qkv_proj.qkind == "Q4_K" and layers[1].self_attn.qkv_proj.weight is None
+    assert [layer.mlp.down_proj.qkind for layer in layers] == ["Q5_K", "Q6_K"]
+    assert layers[0].self_attn.o_proj.qkind == "Q5_K" and layers[0].mlp.gate_up_proj.qkind == "Q4_K"
+    ids = list(np.random.default_rng(1).integers(2, 258, 40))
+    ref = _logits(dense, ids, 40)
+    for chunk in (1, 7, 16, 40):  # GEMV, small-M GEMM, and prefill (dequantized per call)
+        got = _logits(q, ids, chunk)
+        rel = float((got - ref).norm() / ref.norm())
+        # <= 16 rows: 8-bit activations, one scale per 256 (as ggml's Q8_K): ~1.6% here
+        assert rel < (1e-5 if chunk > 16 else 0.03), (chunk, rel)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompt = {"prompt_token_ids": ids[:8]}
+    a = q.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    b = dense.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert list(a) == list(b)

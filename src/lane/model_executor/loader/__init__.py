@@ -113,6 +113,9 @@ def get_model(model_config: ModelConfig, load_threads: int = 4, progress: bool =
     notes = []  # what stays in GGUF blocks, and which quantized kinds did not
     if quantized:
         notes.append(f"{len(quantized)} linear layers kept quantized: {_kinds(Counter(m.qkind for m in quantized))}")
+    mixed = Counter(m.qkind for m in model.modules() if getattr(m, "qkind", None) and m.qweight is None)
+    if mixed:
+        notes.append(f"fused layers of mixed kinds dequantized to dense: {_kinds(mixed)}")
     if dequantized:
         notes.append(f"quantized tensors dequantized at load to "
                      f"{str(model_config.dtype).removeprefix('torch.')}: {_kinds(dequantized)}")
