@@ -156,6 +156,37 @@ inline __m256i chunk(const uint8_t* blk, int c) {
   return _mm256_or_si256(lo, _mm256_slli_epi16(hi, 4));
 }
 
+// a super-block's scales per 16 (sc) and q_x-sum multipliers (mm) as int16 lanes, built in
+// registers (16 scalar stores read back as a vector would stall store forwarding)
+template <int KIND>
+inline void scales_simd(const uint8_t* blk, __m256i& sc, __m256i& mm, float& da, float& db) {
+  if (KIND == kQ6_K) {
+    sc = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192)));
+    mm = _mm256_slli_epi16(sc, 5);  // 32 sc
+    da = db = half_at(blk + 208);
+    return;
+  }
+  uint32_t u[3];  // the 12 bytes of 6-bit fields, unpacked a word at a time as ggml does
+  std::memcpy(u, blk + 4, 12);
+  const uint64_t s = (u[0] & 0x3f3f3f3fu) |
+                     static_cast<uint64_t>((u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4)) << 32;
+  const uint64_t m = (u[1] & 0x3f3f3f3fu) |
+                     static_cast<uint64_t>(((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4)) << 32;
+  const __m128i s8 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<int64_t>(s)));  // 8 scales
+  const __m128i m8 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<int64_t>(m)));  // 8 mins
+  sc = _mm256_set_m128i(_mm_unpackhi_epi16(s8, s8), _mm_unpacklo_epi16(s8, s8));  // each twice: per 16
+  mm = _mm256_set_m128i(_mm_unpackhi_epi16(m8, m8), _mm_unpacklo_epi16(m8, m8));
+  da = half_at(blk);
+  db = half_at(blk + 2);
+}
+
+// the int16 scales of chunk c's maddubs lanes: sc[2c] for lanes 0-7, sc[2c + 1] for 8-15
+inline __m256i chunk_scales(__m256i sc, int c) {
+  const __m256i pair = _mm256_permutevar8x32_epi32(sc, _mm256_set1_epi32(c));
+  return _mm256_shuffle_epi8(pair, _mm256_set_epi8(3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2, 3, 2,
+                                                   1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0));
+}
+
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -174,28 +205,28 @@ void rows_avx2(const uint8_t* wp, const int8_t* qx, const float* dx, const int16
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* blk = wp + n * row + b * kblock_bytes(KIND);
-      Scales s;
-      scales_of<KIND>(blk, s);
+      __m256i sc16, mm;
+      float da, db;
+      scales_simd<KIND>(blk, sc16, mm, da, db);
       __m256i isum[R];
       for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
       for (int c = 0; c < 8; ++c) {
         const __m256i w = chunk<KIND>(blk, c);
         // maddubs leaves values 0-15 in int16 lanes 0-7, 16-31 in 8-15: one scale per half
-        const __m256i sc = _mm256_set_m128i(_mm_set1_epi16(s.sc[2 * c + 1]), _mm_set1_epi16(s.sc[2 * c]));
+        const __m256i sc = chunk_scales(sc16, c);
         for (int r = 0; r < R; ++r) {
           const __m256i p = _mm256_maddubs_epi16(w, load256(qx + r * K + b * QK + 32 * c));
           isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(p, sc));
         }
       }
-      const __m256i mm = load256(s.mm);
       for (int r = 0; r < R; ++r) {
         const __m256i corr = _mm256_madd_epi16(mm, load256(bs + (r * nb + b) * 16));
         const float d = dx[r * nb + b];
         if (KIND == kQ6_K) {  // one scale for both: subtract in int32, exactly
-          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(isum[r], corr)), _mm256_set1_ps(s.da * d), acc[r]);
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(isum[r], corr)), _mm256_set1_ps(da * d), acc[r]);
         } else {
-          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_set1_ps(s.da * d), acc[r]);
-          acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(corr), _mm256_set1_ps(s.db * d), acc[r]);
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_set1_ps(da * d), acc[r]);
+          acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(corr), _mm256_set1_ps(db * d), acc[r]);
         }
       }
     }
