@@ -263,9 +263,16 @@ namespace {
 #pragma GCC pop_options
 #endif
 
-// VNNI where the CPU has it; LANE_CPU_VNNI=0 takes the plain AVX-512BW rows (to test them)
-const bool kVnni = __builtin_cpu_supports("avx512vnni") && !(std::getenv("LANE_CPU_VNNI") &&
-                                                             std::getenv("LANE_CPU_VNNI")[0] == '0');
+// VNNI where the CPU has it; LANE_CPU_VNNI=0 takes the plain AVX-512BW rows (to test them).
+// Asked on first use: __builtin_cpu_init first, as a static initializer may run before libgcc's.
+bool use_vnni() {
+  static const bool v = [] {
+    __builtin_cpu_init();
+    const char* env = std::getenv("LANE_CPU_VNNI");
+    return __builtin_cpu_supports("avx512vnni") && !(env && env[0] == '0');
+  }();
+  return v;
+}
 }  // namespace
 #endif
 
@@ -275,7 +282,7 @@ template <int KIND>
 void linear_rows(const uint8_t* wp, const int8_t* qx, const float* dx, const int16_t* bs, float* yf, int64_t M,
                  int64_t N, int64_t K, int64_t n0, int64_t n1) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-  if (kVnni)
+  if (use_vnni())
     avx512vnni::tile<KIND>(wp, qx, dx, bs, yf, M, N, K, n0, n1);
   else
     avx512::tile<KIND>(wp, qx, dx, bs, yf, M, N, K, n0, n1);
