@@ -13,6 +13,8 @@ import torch
 from lane import platform
 from lane.model_executor.layers import cpu_kernels
 
+from conftest import teacher_forced_logits
+
 KINDS = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # bytes per 32 weights
 
 
@@ -89,22 +91,6 @@ def test_kernels_on_narrower_paths(isa):
                        env={**os.environ, "LANE_CPU_ISA": isa}, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads(r.stdout.strip().splitlines()[-1])["isa"] == isa
-
-
-def teacher_forced_logits(llm, ids: list[int], chunk: int = 16) -> torch.Tensor:
-    """Logits at every position, fed in chunks of ``chunk`` tokens (rows the integer kernels
-    take) through the runner's own attention metadata."""
-    from lane.attention.metadata import CommonAttentionMetadata, set_forward_context
-
-    runner, model = llm.engine.worker.runner, llm.engine.worker.model
-    table = tuple(list(range(1, 1 + -(-len(ids) // runner.block_size))) for _ in runner.kv_cache_config.groups)
-    logits = []
-    for s in range(0, len(ids), chunk):
-        e = min(s + chunk, len(ids))
-        md = runner._attn_metadata(CommonAttentionMetadata(0, [0], [e - s], [s], [s == 0]), [table])
-        with torch.inference_mode(), set_forward_context(md):
-            logits.append(model.compute_logits(model(torch.tensor(ids[s:e]), torch.arange(s, e))))
-    return torch.cat(logits).float()
 
 
 def perplexity(llm, ids: list[int], chunk: int = 16) -> float:

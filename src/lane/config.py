@@ -27,7 +27,7 @@ class ModelConfig:
     max_model_len: int | None = None
     seed: int = 0
     device: str | None = None
-    # auto: a GGUF's quantized weights stay in their blocks; none: dequantized at load to dtype;
+    # auto: a GGUF's Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K weights stay in their blocks; none: dequantized at load to dtype;
     # int8 / w8a8: a safetensors checkpoint's linear weights quantized to int8 per channel at load
     # (w8a8 also quantizes the activations per token)
     quantization: str = "auto"

@@ -28,7 +28,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: bfloat16 on CPUs with AVX512-BF16/AMX, else float32")
     g.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "w8a8"],
-                   help="auto (default): a GGUF's Q4_0 / Q4_1 / Q8_0 weights stay in their blocks, multiplied by "
+                   help="auto (default): a GGUF's Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K weights stay in their blocks, multiplied by "
                         "integer kernels (a fifth of the memory of float32, faster decode); none: dequantized at "
                         "load to --dtype; int8: a safetensors checkpoint's linear and expert weights quantized "
                         "to int8 per output channel at load (W8A16); w8a8: the same, and activations quantized "

@@ -37,10 +37,11 @@ from lane import platform
 logger = logging.getLogger(__name__)
 
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
-_SOURCES = ("paged_attention.cpp", "gemv.cpp", "elementwise.cpp", "dequant.cpp", "quant_linear.cpp", "int8_linear.cpp",
-            "threads.cpp", "module.cpp")
-_SOURCE_CFLAGS = {"dequant.cpp": ["-ffp-contract=off"]}  # round as the numpy reference does
-_HEADERS = ("common.h",)
+_SOURCES = ("paged_attention.cpp", "gemv.cpp", "elementwise.cpp", "dequant.cpp", "quant_linear.cpp", "kquant.cpp",
+            "int8_linear.cpp", "threads.cpp", "module.cpp")
+# round as the numpy reference does
+_SOURCE_CFLAGS = {"dequant.cpp": ["-ffp-contract=off"], "kquant.cpp": ["-ffp-contract=off"]}
+_HEADERS = ("common.h", "kquant_avx512.inc")
 # no -ffast-math: its finite-math-only would fold the kernels' -inf checks away
 _CFLAGS = ["-O3", "-std=c++17", "-fPIC", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
            "-fassociative-math", "-fno-signed-zeros", "-freciprocal-math", "-ffp-contract=fast"]
@@ -257,20 +258,24 @@ def sinkhorn_(comb, iters, eps):
 
 
 
-GGML_KINDS = {"Q4_0": (0, 18), "Q4_1": (1, 20), "Q8_0": (2, 34)}  # kernel code, bytes per 32 values
+# GGUF kinds the kernels run: kernel code, values per block, bytes per block. The
+# 32-value kinds run in quant_linear.cpp, the K-quants (super-blocks of 256) in kquant.cpp.
+GGML_KINDS = {"Q4_0": (0, 32, 18), "Q4_1": (1, 32, 20), "Q8_0": (2, 32, 34),
+              "Q4_K": (3, 256, 144), "Q5_K": (4, 256, 176), "Q6_K": (5, 256, 210)}
+K_KINDS = ("Q4_K", "Q5_K", "Q6_K")
 
 
 def dequant_ggml(blocks, kind: str, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
-    """GGUF blocks of kind Q4_0 / Q4_1 / Q8_0 (a contiguous uint8 numpy array: read in
-    place, so a read-only mmap will do) -> a flat tensor of dtype (into ``out`` if given)."""
-    code, size = GGML_KINDS[kind]
+    """GGUF blocks of a kind in GGML_KINDS (a contiguous uint8 numpy array: read in place, so a
+    read-only mmap will do) -> a flat tensor of dtype (into ``out`` if given)."""
+    code, values, size = GGML_KINDS[kind]
     nblocks = blocks.nbytes // size
     if out is None:
-        out = torch.empty(nblocks * 32, dtype=dtype)
-    elif out.numel() != nblocks * 32 or out.dtype != dtype or not out.is_contiguous():
-        raise ValueError(f"dequant_ggml: out must be {nblocks * 32} contiguous {dtype}")
-    _lib.lane_dequant_ggml(blocks.ctypes.data, code, nblocks, out.data_ptr(), _DTYPE_CODES[dtype],
-                           torch.get_num_threads())
+        out = torch.empty(nblocks * values, dtype=dtype)
+    elif out.numel() != nblocks * values or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"dequant_ggml: out must be {nblocks * values} contiguous {dtype}")
+    fn = _lib.lane_dequant_kquant if kind in K_KINDS else _lib.lane_dequant_ggml
+    fn(blocks.ctypes.data, code, nblocks, out.data_ptr(), _DTYPE_CODES[dtype], torch.get_num_threads())
     return out
 
 
@@ -286,25 +291,49 @@ def quantize_rows_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     return q, d, s
 
 
+def quantize_rows_q8k(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] (K a multiple of 256) -> ggml's Q8_K: q [M, K] int8, d [M, K / 256] fp32
+    (max|x| / 127), bsum [M, K / 16] int16 (sums of q per 16)."""
+    x = x.contiguous()
+    M, K = x.shape
+    q = torch.empty(M, K, dtype=torch.int8)
+    d = torch.empty(M, K // 256)
+    bsum = torch.empty(M, K // 16, dtype=torch.int16)
+    _lib.lane_quantize_rows_q8k(x.data_ptr(), _DTYPE_CODES[x.dtype], q.data_ptr(), d.data_ptr(), bsum.data_ptr(),
+                                M, K)
+    return q, d, bsum
+
+
 def quant_block_dots(qx: torch.Tensor, blocks: torch.Tensor, kind: str, N: int) -> torch.Tensor:
-    """int32 dot products of every input row's and weight row's blocks: [M, N, K / 32]."""
+    """int32 dot products of every input row's and weight row's blocks: [M, N, K / 32]; for
+    the K-quants (qx from quantize_rows_q8k) per sub-block, [M, N, K / 32] (Q4_K, Q5_K: the
+    unsigned quants) or [M, N, K / 16] (Q6_K: quants - 32)."""
     M, K = qx.shape
-    dots = torch.empty(M, N, K // 32, dtype=torch.int32)
-    _lib.lane_quant_block_dots(qx.data_ptr(), blocks.data_ptr(), GGML_KINDS[kind][0], dots.data_ptr(), M, N, K)
+    sub = 16 if kind == "Q6_K" else 32
+    dots = torch.empty(M, N, K // sub, dtype=torch.int32)
+    fn = _lib.lane_kquant_sub_dots if kind in K_KINDS else _lib.lane_quant_block_dots
+    fn(qx.data_ptr(), blocks.data_ptr(), GGML_KINDS[kind][0], dots.data_ptr(), M, N, K)
     return dots
 
 
 def quant_linear(x: torch.Tensor, blocks: torch.Tensor, kind: str, N: int, bias: torch.Tensor | None = None
                  ) -> torch.Tensor:
-    """x [M, K] @ W^T with W [N, K] as GGUF blocks of kind (uint8 [N, K / 32 * block bytes]) -> [M, N]
-    in x's dtype. x is quantized to 8-bit blocks once per call."""
-    q, d, s = quantize_rows_q8(x)
+    """x [M, K] @ W^T with W [N, K] as GGUF blocks of kind (uint8 [N, K / block values * block
+    bytes]) -> [M, N] in x's dtype. x is quantized to 8-bit blocks once per call (Q8_K for
+    the K-quants)."""
     M, K = x.shape
     y = torch.empty(M, N, dtype=x.dtype)
     b = None if bias is None else bias.float().contiguous()
-    _lib.lane_quant_linear(q.data_ptr(), d.data_ptr(), s.data_ptr(), blocks.data_ptr(), GGML_KINDS[kind][0],
-                           None if b is None else b.data_ptr(), y.data_ptr(), _DTYPE_CODES[x.dtype], M, N, K,
-                           torch.get_num_threads())
+    bp = None if b is None else b.data_ptr()
+    code, threads = GGML_KINDS[kind][0], torch.get_num_threads()
+    if kind in K_KINDS:
+        q, d, bsum = quantize_rows_q8k(x)
+        _lib.lane_kquant_linear(q.data_ptr(), d.data_ptr(), bsum.data_ptr(), blocks.data_ptr(), code, bp,
+                                y.data_ptr(), _DTYPE_CODES[x.dtype], M, N, K, threads)
+        return y
+    q, d, s = quantize_rows_q8(x)
+    _lib.lane_quant_linear(q.data_ptr(), d.data_ptr(), s.data_ptr(), blocks.data_ptr(), code, bp, y.data_ptr(),
+                           _DTYPE_CODES[x.dtype], M, N, K, threads)
     return y
 
 

@@ -12,7 +12,7 @@ on every CPU.
   bf16 / fp16 storage, fp32 math, as vLLM's CPU build runs bf16 on AVX2. Up to
   ``UPCAST_ROWS`` rows the small-M kernel reads the weight as stored; above, the
   weight is widened per call and fp32 GEMM runs.
-- GGUF Q4_0 / Q4_1 / Q8_0 weights kept in their blocks (``--quantization auto``): up to
+- GGUF Q4_0 / Q4_1 / Q8_0 / K-quant weights kept in their blocks (``--quantization auto``): up to
   ``quant_rows`` rows (decode batches, verify), the integer kernel (each row quantized to
   8-bit blocks once per call); above (prefill), the weight dequantized into a scratch
   buffer reused by every layer, then the dense GEMM: the dequantization is a few percent
@@ -64,13 +64,14 @@ def fast_cpu_gemm(dtype: torch.dtype) -> bool:
 
 class Linear(nn.Linear):
     packed_weight: torch.Tensor | None = None
-    # A quantized weight, by kind: GGUF blocks kept as they are ("Q4_0" / "Q4_1" / "Q8_0": uint8
-    # [out_features, row bytes]), or int8 per output channel ("int8": W8A16, "w8a8": the
+    # A quantized weight, by kind: GGUF blocks kept as they are (a kind of cpu_kernels.GGML_KINDS:
+    # uint8 [out_features, row bytes]), or int8 per output channel ("int8": W8A16, "w8a8": the
     # activations quantized per token too; int8 [out_features, in_features] and weight_scale)
     qweight: torch.Tensor | None = None
     qkind: str | None = None
     weight_scale: torch.Tensor | None = None  # int8: fp32 [out_features]
     weight_sums: torch.Tensor | None = None  # w8a8: int32 [out_features], the VNNI offset's correction
+    dense_dtype: torch.dtype | None = None  # the weight's dtype, for a GGUF layer that goes dense after all
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
                  quantizable: bool | None = None) -> None:
@@ -94,6 +95,13 @@ class Linear(nn.Linear):
     def load_quantized(self, kind: str, blocks: torch.Tensor, row_offset: int = 0) -> None:
         """Take GGUF blocks for rows [row_offset, row_offset + len(blocks)) of the weight
         (a fused layer gets its parts one by one); the dense weight is dropped."""
+        if self.qweight is None and self.qkind is not None:  # a fused layer of mixed kinds: dense
+            if kind not in self.qkind.split("+"):
+                self.qkind += "+" + kind
+            self._load_dense(kind, blocks, row_offset)
+            return
+        if self.qweight is None:
+            self.dense_dtype = self.weight.dtype
         if self.qweight is None and row_offset == 0 and blocks.shape[0] == self.out_features:
             self.qweight, self.qkind, self.weight = blocks, kind, None  # the whole weight: kept as given
             return
@@ -102,9 +110,22 @@ class Linear(nn.Linear):
             self.qkind = kind
             self.weight = None  # its memory goes; forward reads the blocks
         if kind != self.qkind or blocks.shape[1] != self.qweight.shape[1]:
-            raise ValueError(f"one fused layer mixes {self.qkind} and {kind} blocks; load it with "
-                             f"--quantization none")
+            # parts of different kinds (Q4_K_M files keep some layers' attn_v in Q6_K beside Q4_K
+            # q and k): the layer runs dense, from its parts dequantized (rows not loaded yet
+            # are overwritten as they come); qkind names the kinds, qweight is None
+            done, done_kind = self.qweight, self.qkind
+            self.qweight, self.qkind = None, f"{done_kind}+{kind}"
+            self.weight = nn.Parameter(torch.empty(self.out_features, self.in_features, dtype=self.dense_dtype),
+                                       requires_grad=False)
+            self._load_dense(done_kind, done, 0)
+            self._load_dense(kind, blocks, row_offset)
+            return
         self.qweight[row_offset:row_offset + blocks.shape[0]] = blocks
+
+    def _load_dense(self, kind: str, blocks: torch.Tensor, row_offset: int) -> None:
+        w = cpu_kernels.dequant_ggml(blocks.numpy(), kind, self.weight.dtype).view(blocks.shape[0], -1)
+        with torch.no_grad():
+            self.weight[row_offset:row_offset + blocks.shape[0]] = w
 
     def prepack(self) -> bool:
         """Pack the weight for oneDNN; only bf16 on a CPU whose oneDNN runs bf16 benefits."""

@@ -1,6 +1,6 @@
-"""The token embedding, which can keep a GGUF's Q4_0 / Q4_1 / Q8_0 rows in their blocks:
-a lookup dequantizes only the rows it reads (a step reads a few), and a tied LM head
-multiplies by the same blocks."""
+"""The token embedding, which can keep a GGUF's quantized rows (a kind of
+cpu_kernels.GGML_KINDS) in their blocks: a lookup dequantizes only the rows it reads (a
+step reads a few), and a tied LM head multiplies by the same blocks."""
 from __future__ import annotations
 
 import torch

@@ -88,9 +88,11 @@ def planned_weight_bytes(model_config: ModelConfig, model: nn.Module) -> int:
 
         keep = model_config.quantization == "auto" and model_config.device_type.type == "cpu"
         size = torch.empty(0, dtype=model_config.dtype).element_size()
-        return sum(t.data.nbytes if keep and len(t.shape) == 2
-                   and gguf.GGMLQuantizationType(t.tensor_type).name in GGML_KINDS
-                   else math.prod(t.shape) * size
+        def kept(t) -> bool:  # as iter_gguf_weights decides
+            kind = GGML_KINDS.get(gguf.GGMLQuantizationType(t.tensor_type).name)
+            return keep and kind is not None and len(t.shape) == 2 and t.shape[1] % kind[1] == 0
+
+        return sum(t.data.nbytes if kept(t) else math.prod(t.shape) * size
                    for t in model_config.gguf_reader.tensors if hf_tensor_name(t.name))
     dense = {id(p): p.numel() * p.element_size() for p in model.parameters()}
     if model_config.quantization in ("int8", "w8a8"):
@@ -100,6 +102,10 @@ def planned_weight_bytes(model_config: ModelConfig, model: nn.Module) -> int:
                 if p.dim() >= 2:
                     dense[id(p)] = p.numel() + p.numel() // p.shape[-1] * per_row
     return sum(dense.values())
+
+
+def _kinds(c: Counter) -> str:
+    return ", ".join(f"{k} x{n}" for k, n in sorted(c.items()))
 
 
 def get_model(model_config: ModelConfig, load_threads: int = 4, progress: bool = True) -> nn.Module:
@@ -117,6 +123,7 @@ def get_model(model_config: ModelConfig, load_threads: int = 4, progress: bool =
         loaded.update(model.load_weights([(name, tensor)]))
 
     desc = f"Loading {model_config.short_name}"
+    dequantized: Counter = Counter()  # GGUF quantized tensors dequantized at load, by kind
     if model_config.gguf_file:
         from lane.model_executor.loader.gguf_loader import iter_gguf_weights
 
@@ -124,7 +131,8 @@ def get_model(model_config: ModelConfig, load_threads: int = 4, progress: bool =
         # one load_weights call for the whole stream: it maps the parameters once
         loaded.update(model.load_weights(tqdm(
             iter_gguf_weights(reader, model_config.hf_config, model_config.dtype,
-                              keep_quantized=model_config.quantization == "auto" and model_config.device_type.type == "cpu"),
+                              keep_quantized=model_config.quantization == "auto" and model_config.device_type.type == "cpu",
+                              dequantized=dequantized),
             total=len(reader.tensors), desc=desc, disable=not progress, unit="tensor")))
     else:
         from lane.model_executor.loader.safetensors_loader import (count_tensors, load_safetensors,
@@ -153,13 +161,18 @@ def get_model(model_config: ModelConfig, load_threads: int = 4, progress: bool =
     if tracer.enabled:  # step 4
         tracer.record(Step.LOADER_LOAD_WEIGHTS, t_load, time.monotonic(), tensors=len(loaded),
                       format="gguf" if model_config.gguf_file else "safetensors")
-    quantized = [m for m in model.modules() if getattr(m, "qkind", None) is not None]
+    quantized = [m for m in model.modules() if "+" not in (getattr(m, "qkind", None) or "+")]
     resident = resident_weight_bytes(model)
-    kinds = ", ".join(f"{k} x{n}" for k, n in sorted(Counter(m.qkind for m in quantized).items()))
-    rest = "dequantized to" if model_config.gguf_file else "kept in"
+    notes = []  # what is quantized, and which quantized kinds were not kept
+    if quantized:
+        notes.append(f"{len(quantized)} layers quantized: {_kinds(Counter(m.qkind for m in quantized))}")
+    mixed = Counter(m.qkind for m in model.modules() if "+" in (getattr(m, "qkind", None) or ""))
+    if mixed:
+        notes.append(f"fused layers of mixed kinds dequantized to dense: {_kinds(mixed)}")
+    if dequantized:
+        notes.append(f"quantized tensors dequantized at load to "
+                     f"{str(model_config.dtype).removeprefix('torch.')}: {_kinds(dequantized)}")
     logger.info("Loaded %s: architecture %s -> %s:%s in %.2f s; weights %.1f MiB resident%s",
                 model_config.short_name, arch, model_cls.__module__, model_cls.__qualname__,
-                time.perf_counter() - t0, resident / 2**20,
-                f" ({len(quantized)} layers quantized: {kinds}; the rest {rest} "
-                f"{str(model_config.dtype).removeprefix('torch.')})" if quantized else "")
+                time.perf_counter() - t0, resident / 2**20, f" ({'; '.join(notes)})" if notes else "")
     return model

@@ -2,14 +2,16 @@
 lane.transformers_utils, which the API server uses without loading this module.
 
 Metadata and tensor records come from ``transformers_utils.gguf_file.GGUFFile`` (memory-mapped);
-the ``gguf`` package supplies the quantisation tables and the fallback dequantiser. F32/F16/BF16/Q8_0/Q4_0/Q4_1 are
-dequantised here in torch; other quantisation types fall back to gguf's numpy
-dequantiser. llama.cpp stores Llama's Q and K rows permuted for its rope
-kernel; we undo that so the weights match HF's rotate-half layout.
+the ``gguf`` package supplies the quantisation tables and the fallback dequantiser. F32/F16/BF16
+are converted here in torch, the kinds of ``cpu_kernels.GGML_KINDS`` (Q8_0/Q4_0/Q4_1 and the
+K-quants Q4_K/Q5_K/Q6_K) dequantised by the CPU kernel (Q8_0/Q4_0/Q4_1 in torch without it);
+other quantisation types fall back to gguf's numpy dequantiser. llama.cpp stores Llama's Q and
+K rows permuted for its rope kernel; we undo that so the weights match HF's rotate-half layout.
 """
 from __future__ import annotations
 
 import re
+from collections import Counter
 from typing import Iterator
 
 import numpy as np
@@ -51,7 +53,7 @@ def dequantize(data: np.ndarray, qtype: int, shape: tuple[int, ...],
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """One GGUF tensor -> a torch tensor of ``shape`` (torch order) in ``dtype``. The
     values are gguf's reference (and so transformers'): float32 math, then one rounding
-    to ``dtype``. Q4_0 / Q4_1 / Q8_0 go through the CPU kernel where it is built."""
+    to ``dtype``. The GGML_KINDS go through the CPU kernel where it is built."""
     import gguf
 
     Q = gguf.GGMLQuantizationType
@@ -100,27 +102,35 @@ def hf_tensor_name(gguf_name: str) -> str | None:
 
 
 class GGMLBlocks:
-    """A GGUF weight [N, K] kept in its blocks: ``blocks`` uint8 [N, K / 32 * block bytes],
-    one row of blocks per output row (rows can be permuted and concatenated as they are)."""
+    """A GGUF weight [N, K] kept in its blocks: ``blocks`` uint8 [N, K / block values * block
+    bytes], one row of blocks per output row (rows can be permuted and concatenated as they are).
+    ``dequantized`` counts the kinds of those a model dequantizes after all."""
 
-    def __init__(self, kind: str, shape: tuple[int, int], blocks: torch.Tensor, dtype: torch.dtype) -> None:
+    def __init__(self, kind: str, shape: tuple[int, int], blocks: torch.Tensor, dtype: torch.dtype,
+                 dequantized: Counter | None = None) -> None:
         self.kind, self.shape, self.blocks, self.dtype = kind, tuple(shape), blocks, dtype
+        self.dequantized = dequantized
 
     def dequantize(self) -> torch.Tensor:
         import gguf
 
+        if self.dequantized is not None:
+            self.dequantized[self.kind] += 1
         return dequantize(self.blocks.numpy(), int(gguf.GGMLQuantizationType[self.kind]), self.shape, self.dtype)
 
 
-def iter_gguf_weights(reader, hf_config, dtype: torch.dtype = torch.float32, keep_quantized: bool = False
-                      ) -> Iterator[tuple[str, "torch.Tensor | GGMLBlocks"]]:
-    """(HF name, tensor) for every tensor; with ``keep_quantized``, 2-D Q4_0 / Q4_1 / Q8_0
-    tensors come as their blocks (the model keeps them in its linear layers, and
-    dequantizes those it needs dense, as an embedding)."""
+def iter_gguf_weights(reader, hf_config, dtype: torch.dtype = torch.float32, keep_quantized: bool = False,
+                      dequantized: Counter | None = None) -> Iterator[tuple[str, "torch.Tensor | GGMLBlocks"]]:
+    """(HF name, tensor) for every tensor; with ``keep_quantized``, 2-D tensors of a kind in
+    ``cpu_kernels.GGML_KINDS`` whose rows are whole blocks come as their blocks (the model
+    keeps them in its linear layers, and dequantizes those it needs dense, as an embedding).
+    ``dequantized`` counts, by kind, the quantized tensors dequantized at load."""
     import gguf
 
     arch = gguf_field(reader, "general.architecture")
-    kept = {int(gguf.GGMLQuantizationType[k]) for k in cpu_kernels.GGML_KINDS}  # what the kernels run
+    floats = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16}
+    # what the kernels run: kind -> values per block
+    kept = {int(gguf.GGMLQuantizationType[k]): v for k, (_, v, _) in cpu_kernels.GGML_KINDS.items()}
     for t in reader.tensors:
         name = hf_tensor_name(t.name)
         if name is None:
@@ -131,11 +141,14 @@ def iter_gguf_weights(reader, hf_config, dtype: torch.dtype = torch.float32, kee
                 heads = hf_config.num_attention_heads
             elif name.endswith("self_attn.k_proj.weight"):
                 heads = hf_config.num_key_value_heads
-        if keep_quantized and t.tensor_type in kept and len(t.shape) == 2:
+        kind = gguf.GGMLQuantizationType(t.tensor_type).name
+        if keep_quantized and t.tensor_type in kept and len(t.shape) == 2 and t.shape[1] % kept[t.tensor_type] == 0:
             blocks = torch.from_numpy(np.array(t.data, copy=True)).view(t.shape[0], -1)
             if heads is not None:  # rows of blocks permute as rows of weights do
                 blocks = _unpermute(blocks, heads).contiguous()
-            yield name, GGMLBlocks(gguf.GGMLQuantizationType(t.tensor_type).name, t.shape, blocks, dtype)
+            yield name, GGMLBlocks(kind, t.shape, blocks, dtype, dequantized)
             continue
+        if dequantized is not None and t.tensor_type not in floats:
+            dequantized[kind] += 1
         w = dequantize(t.data, t.tensor_type, t.shape, dtype)
         yield name, (_unpermute(w, heads) if heads is not None else w)

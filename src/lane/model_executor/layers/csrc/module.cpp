@@ -31,6 +31,11 @@ void lane_int8_w8a16(const void*, int, const int8_t*, const float*, const float*
                      int64_t, int);
 void lane_int8_dequant(const int8_t*, const float*, void*, int, int64_t, int64_t, int64_t, int);
 void lane_bind_threads(const int32_t*, int, int32_t*);
+void lane_dequant_kquant(const void*, int, int64_t, void*, int, int);
+void lane_quantize_rows_q8k(const void*, int, int8_t*, float*, int16_t*, int64_t, int64_t);
+void lane_kquant_sub_dots(const int8_t*, const void*, int, int32_t*, int64_t, int64_t, int64_t);
+void lane_kquant_linear(const int8_t*, const float*, const int16_t*, const void*, int, const float*, void*, int,
+                        int64_t, int64_t, int64_t, int);
 }
 
 namespace {
@@ -72,6 +77,8 @@ PyMethodDef methods[] = {
     LANE_DEF(lane_dequant_ggml), LANE_DEF(lane_quantize_rows_q8), LANE_DEF(lane_quant_block_dots),
     LANE_DEF(lane_quant_linear), LANE_DEF(lane_quantize_per_token_int8), LANE_DEF(lane_int8_scale),
     LANE_DEF(lane_int8_w8a8), LANE_DEF(lane_int8_w8a16), LANE_DEF(lane_int8_dequant), LANE_DEF(lane_bind_threads),
+    LANE_DEF(lane_dequant_kquant), LANE_DEF(lane_quantize_rows_q8k),
+    LANE_DEF(lane_kquant_sub_dots), LANE_DEF(lane_kquant_linear),
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "lane_kernels", "lane's CPU kernels", -1, methods};
