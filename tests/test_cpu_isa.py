@@ -148,3 +148,38 @@ def test_threads_never_exceed_the_cpus_this_process_may_use(caplog):
             platform.set_threads(-1)
     finally:
         torch.set_num_threads(saved)
+
+
+BIND_PROBE = """
+import glob, json, sys, torch
+from lane import LLM, SamplingParams
+llm = LLM(sys.argv[1], dtype="float32", kv_cache_memory_bytes=16 << 20, show_progress=False)
+llm.generate("hi", SamplingParams(max_tokens=2), use_tqdm=False)
+with torch.inference_mode():  # run the pool, then read every thread's CPU set
+    torch.ones(4096, 4096) @ torch.ones(4096, 64)
+sets = []
+for status in glob.glob("/proc/self/task/*/status"):
+    line = next(l for l in open(status) if l.startswith("Cpus_allowed_list:"))
+    sets.append(line.split()[1])
+print(json.dumps(sets))
+"""
+
+
+@pytest.mark.skipif(platform.available_cpus() < 2, reason="binding needs two CPUs to show")
+def test_openmp_threads_are_pinned_one_per_cpu(tiny_llama):
+    """LANE_CPU_OMP_THREADS_BIND=auto pins OpenMP thread i to the i-th CPU (as an engine-core
+    process does by default); nobind leaves every thread on every CPU; a CPU the process may not
+    use is refused by name."""
+    cpus = sorted(os.sched_getaffinity(0))
+    r = run_capped(BIND_PROBE, None, tiny_llama, LANE_CPU_OMP_THREADS_BIND="auto")
+    assert r.returncode == 0, r.stderr[-2000:]
+    sets = json.loads(r.stdout.strip().splitlines()[-1])
+    for c in cpus:  # one thread on each CPU alone
+        assert str(c) in sets, (c, sets)
+    assert f"Bound {len(cpus)} OpenMP threads to CPUs {cpus}" in r.stderr
+    r = run_capped(BIND_PROBE, None, tiny_llama, LANE_CPU_OMP_THREADS_BIND="nobind")
+    assert r.returncode == 0 and "Bound" not in r.stderr
+    assert len(set(json.loads(r.stdout.strip().splitlines()[-1]))) == 1  # all threads: the whole set
+    bad = max(cpus) + 100
+    r = run_capped(BIND_PROBE, None, tiny_llama, LANE_CPU_OMP_THREADS_BIND=f"0,{bad}")
+    assert r.returncode != 0 and f"[{bad}] are not" in r.stderr
