@@ -37,7 +37,7 @@ from lane import platform
 logger = logging.getLogger(__name__)
 
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
-_SOURCES = ("paged_attention.cpp", "gemv.cpp", "elementwise.cpp", "dequant.cpp", "quant_linear.cpp", "module.cpp")
+_SOURCES = ("paged_attention.cpp", "prefill_attention.cpp", "gemv.cpp", "elementwise.cpp", "dequant.cpp", "quant_linear.cpp", "module.cpp")
 _SOURCE_CFLAGS = {"dequant.cpp": ["-ffp-contract=off"]}  # round as the numpy reference does
 _HEADERS = ("common.h",)
 # no -ffast-math: its finite-math-only would fold the kernels' -inf checks away
@@ -208,6 +208,25 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
                                      _DTYPE_CODES[q.dtype], tables.data_ptr(), lens.data_ptr(),
                                      out.data_ptr(), B, H, KVH, D, BS, tables.shape[1], scale,
                                      torch.get_num_threads())
+    return out
+
+
+def prefill_attention(q, k_cache, v_cache, block_ids, num_computed, scale):
+    """One request's chunk: q [n, H, D] at positions num_computed .. num_computed + n - 1,
+    caches [blocks, KVH, block_size, D] already holding the chunk's K/V, block_ids [>= blocks
+    covering num_computed + n] -> [n, H, D], causal over the cached context and the chunk."""
+    n, H, D = q.shape
+    KVH, BS = k_cache.shape[1], k_cache.shape[2]
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or k_cache.dtype != q.dtype:
+        raise ValueError("paged prefill kernel: the caches must be contiguous, of q's dtype")
+    if block_ids.numel() * BS < num_computed + n:
+        raise ValueError("paged prefill kernel: block_ids do not cover the chunk")
+    q = q.contiguous()
+    ids = _as(block_ids, torch.int64)
+    out = torch.empty_like(q)
+    _lib.lane_paged_prefill_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), _DTYPE_CODES[q.dtype],
+                                      ids.data_ptr(), num_computed, out.data_ptr(), n, H, KVH, D, BS, scale,
+                                      torch.get_num_threads())
     return out
 
 
