@@ -30,13 +30,14 @@ PREFILL_ATTENTION = os.environ.get("LANE_PREFILL_ATTENTION", "auto")
 
 
 def prefill_kernel_for(q: torch.Tensor) -> bool:
-    """Whether a prefill chunk takes the paged kernel. Measured (benchmarks/prefill_attention.py):
-    in float32 the kernel beats SDPA at every context, a fresh chunk's (SDPA flash on the
-    chunk's own k/v) included; in bf16 / fp16 on a CPU with AMX or AVX512-BF16, SDPA's oneDNN
-    matmuls outrun the kernel's fp32 arithmetic even with the gather, so SDPA stays there."""
+    """Whether a prefill chunk takes the paged kernel. Measured (benchmarks/prefill_attention.py,
+    Sapphire Rapids): in float32 the kernel beats gather + SDPA at every context, a fresh
+    chunk's (SDPA flash on the chunk's own k/v) included; in bf16 on a CPU with AMX or
+    AVX512-BF16, SDPA's oneDNN matmuls outrun the kernel's fp32 arithmetic per core (1.3-1.6x
+    at 2k-7k context, one thread) even with the gather, so SDPA stays there."""
     if PREFILL_ATTENTION == "torch" or not cpu_kernels.usable(q):
         return False
-    return PREFILL_ATTENTION == "kernel" or q.dtype == torch.float32 or not platform.cpu_has_fast_bf16()
+    return PREFILL_ATTENTION == "kernel" or q.dtype != torch.bfloat16 or not platform.cpu_has_fast_bf16()
 
 
 def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,8 @@ generic, avx2 or avx512) on first use, in a few seconds.
 
 Paged decode attention in torch must gather every request's blocks into a padded
 copy first; on a CPU that copy costs more than the attention itself. The kernel
-reads K/V in place. Likewise torch's GEMM for a few rows (decode) reads weights at a
+reads K/V in place; so does the prefill kernel, where torch would gather a chunk's whole
+prefix and repeat it for every GQA head, in every layer. Likewise torch's GEMM for a few rows (decode) reads weights at a
 fraction of memory bandwidth; ``small_m_linear`` streams each weight row once.
 
 A build is cached under ``~/.cache/lane/kernels/<isa>-<key>`` (``LANE_KERNEL_CACHE``
