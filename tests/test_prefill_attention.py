@@ -73,3 +73,21 @@ def test_kernel_on_narrower_paths(isa):
                        env={**os.environ, "LANE_CPU_ISA": isa}, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads(r.stdout.strip().splitlines()[-1])["isa"] == isa
+
+
+@pytest.mark.parametrize("nc", [0, 45])
+def test_torch_path_agrees(nc):
+    """The gather + SDPA path (other devices, LANE_PREFILL_ATTENTION=torch) gives the kernel's result."""
+    from lane.model_executor.layers.attention import prefill_attention_torch
+
+    assert cpu_kernels.build()
+    g = torch.Generator().manual_seed(1)
+    KVH, G, D, BS, n = 3, 3, 64, 16, 30
+    nb = -(-(nc + n) // BS)
+    kc, vc = torch.randn(nb + 2, KVH, BS, D, generator=g), torch.randn(nb + 2, KVH, BS, D, generator=g)
+    ids = torch.randperm(nb + 1, generator=g)[:nb] + 1
+    q = torch.randn(n, KVH * G, D, generator=g)
+    k, v = (c[ids].transpose(1, 2).reshape(-1, KVH, D)[nc:nc + n] for c in (kc, vc))
+    ref = reference(q, kc, vc, ids, nc, 0.125).float()
+    torch.testing.assert_close(prefill_attention_torch(q, k, v, kc, vc, ids, nc, 0.125), ref, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(cpu_kernels.prefill_attention(q, kc, vc, ids, nc, 0.125), ref, rtol=1e-4, atol=1e-5)
