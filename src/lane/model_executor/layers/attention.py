@@ -10,15 +10,34 @@ layer is: it declares its cache tensors as specs and reads its group's metadata.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lane import tracing
+from lane import platform, tracing
 from lane.attention.metadata import PagedAttentionMetadata, PrefillSpan, get_forward_context
 from lane.kv_cache_interface import FullAttentionSpec, KVCacheSpec
 from lane.model_executor.layers import cpu_kernels
 from lane.tracing import Step
+
+
+# Prefill attention: "kernel" reads the cache in place (cpu_kernels.prefill_attention),
+# "torch" gathers the request's blocks and runs SDPA (the path for other devices and
+# when the kernels are unavailable), "auto" (default) picks the faster on this CPU.
+PREFILL_ATTENTION = os.environ.get("LANE_PREFILL_ATTENTION", "auto")
+
+
+def prefill_kernel_for(q: torch.Tensor) -> bool:
+    """Whether a prefill chunk takes the paged kernel. Measured (benchmarks/prefill_attention.py,
+    Sapphire Rapids): in float32 the kernel beats gather + SDPA at every context, a fresh
+    chunk's (SDPA flash on the chunk's own k/v) included; in bf16 on a CPU with AMX or
+    AVX512-BF16, SDPA's oneDNN matmuls outrun the kernel's fp32 arithmetic per core (1.3-1.6x
+    at 2k-7k context, one thread) even with the gather, so SDPA stays there."""
+    if PREFILL_ATTENTION == "torch" or not cpu_kernels.usable(q):
+        return False
+    return PREFILL_ATTENTION == "kernel" or q.dtype != torch.bfloat16 or not platform.cpu_has_fast_bf16()
 
 
 def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
@@ -42,6 +61,27 @@ def decode_attention_torch(q, k_cache, v_cache, block_tables, context_lens, scal
     s.masked_fill_(pad[:, None, None, :], float("-inf"))
     p = torch.softmax(s, dim=-1).to(q.dtype)
     return torch.matmul(p, v).reshape(B, H, D)
+
+
+def prefill_attention_torch(q, k, v, k_cache, v_cache, block_ids, num_computed, scale):
+    """Reference path for one chunk (q [n, H, D], its own k, v [n, KVH, D]): with cached
+    context, gather the request's blocks; expand GQA heads; SDPA."""
+    n, H = q.shape[0], q.shape[1]
+    mask, causal = None, True
+    if num_computed:  # earlier tokens come from the cache
+        total = num_computed + n
+        k = gather_blocks(k_cache, block_ids)[:, :total]  # [kvh, total, D]
+        v = gather_blocks(v_cache, block_ids)[:, :total]
+        mask = torch.arange(total)[None, :] <= torch.arange(num_computed, total)[:, None]
+        causal = False
+    else:
+        k, v = k.transpose(0, 1), v.transpose(0, 1)
+    g = H // k.shape[0]
+    if g > 1:  # expanded heads + 4-D inputs take torch's flash kernel on CPU (GQA does not)
+        k, v = k.repeat_interleave(g, dim=0), v.repeat_interleave(g, dim=0)
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None],
+                                       attn_mask=mask, is_causal=causal, scale=scale)
+    return o[0].transpose(0, 1)
 
 
 class CacheLayer(nn.Module):
@@ -108,22 +148,9 @@ class Attention(CacheLayer):
         return out.view(q.shape[0], -1)
 
     def _prefill(self, q, k, v, span: PrefillSpan, kc, vc) -> torch.Tensor:
-        n = q.shape[0]
-        mask, causal = None, True
-        if span.num_computed:  # earlier tokens come from the cache
-            total = span.num_computed + n
-            k = gather_blocks(kc, span.block_ids)[:, :total]  # [kvh, total, D]
-            v = gather_blocks(vc, span.block_ids)[:, :total]
-            mask = torch.arange(total)[None, :] <= torch.arange(span.num_computed, total)[:, None]
-            causal = False
-        else:
-            k, v = k.transpose(0, 1), v.transpose(0, 1)
-        g = self.num_heads // self.num_kv_heads
-        if g > 1:  # expanded heads + 4-D inputs take torch's flash kernel on CPU (GQA does not)
-            k, v = k.repeat_interleave(g, dim=0), v.repeat_interleave(g, dim=0)
-        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None],
-                                           attn_mask=mask, is_causal=causal, scale=self.scale)
-        return o[0].transpose(0, 1)
+        if kc.numel() and prefill_kernel_for(q):  # the chunk's K/V are in the cache already
+            return cpu_kernels.prefill_attention(q, kc, vc, span.block_ids, span.num_computed, self.scale)
+        return prefill_attention_torch(q, k, v, kc, vc, span.block_ids, span.num_computed, self.scale)
 
 
 def cache_layers(model: nn.Module) -> dict[str, CacheLayer]:

@@ -4,7 +4,8 @@ generic, avx2 or avx512) on first use, in a few seconds.
 
 Paged decode attention in torch must gather every request's blocks into a padded
 copy first; on a CPU that copy costs more than the attention itself. The kernel
-reads K/V in place. Likewise torch's GEMM for a few rows (decode) reads weights at a
+reads K/V in place; so does the prefill kernel, where torch would gather a chunk's whole
+prefix and repeat it for every GQA head, in every layer. Likewise torch's GEMM for a few rows (decode) reads weights at a
 fraction of memory bandwidth; ``small_m_linear`` streams each weight row once.
 
 A build is cached under ``~/.cache/lane/kernels/<isa>-<key>`` (``LANE_KERNEL_CACHE``
@@ -37,7 +38,7 @@ from lane import platform
 logger = logging.getLogger(__name__)
 
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
-_SOURCES = ("paged_attention.cpp", "gemv.cpp", "elementwise.cpp", "dequant.cpp", "quant_linear.cpp", "kquant.cpp",
+_SOURCES = ("paged_attention.cpp", "prefill_attention.cpp", "gemv.cpp", "elementwise.cpp", "dequant.cpp", "quant_linear.cpp", "kquant.cpp",
             "int8_linear.cpp", "threads.cpp", "module.cpp")
 # round as the numpy reference does
 _SOURCE_CFLAGS = {"dequant.cpp": ["-ffp-contract=off"], "kquant.cpp": ["-ffp-contract=off"]}
@@ -210,6 +211,25 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
                                      _DTYPE_CODES[q.dtype], tables.data_ptr(), lens.data_ptr(),
                                      out.data_ptr(), B, H, KVH, D, BS, tables.shape[1], scale,
                                      torch.get_num_threads())
+    return out
+
+
+def prefill_attention(q, k_cache, v_cache, block_ids, num_computed, scale):
+    """One request's chunk: q [n, H, D] at positions num_computed .. num_computed + n - 1,
+    caches [blocks, KVH, block_size, D] already holding the chunk's K/V, block_ids [>= blocks
+    covering num_computed + n] -> [n, H, D], causal over the cached context and the chunk."""
+    n, H, D = q.shape
+    KVH, BS = k_cache.shape[1], k_cache.shape[2]
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or k_cache.dtype != q.dtype:
+        raise ValueError("paged prefill kernel: the caches must be contiguous, of q's dtype")
+    if block_ids.numel() * BS < num_computed + n:
+        raise ValueError("paged prefill kernel: block_ids do not cover the chunk")
+    q = q.contiguous()
+    ids = _as(block_ids, torch.int64)
+    out = torch.empty_like(q)
+    _lib.lane_paged_prefill_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), _DTYPE_CODES[q.dtype],
+                                      ids.data_ptr(), num_computed, out.data_ptr(), n, H, KVH, D, BS, scale,
+                                      torch.get_num_threads())
     return out
 
 

@@ -89,6 +89,9 @@ class MLAAttention(CacheLayer):
         return out.view(T, -1)
 
     def _prefill(self, q_nope, q_pe, entry, span: PrefillSpan, sparse_mask) -> torch.Tensor:
+        # Not the paged prefill kernel: it would need the absorbed form (one latent KV head of
+        # width latent + rope), whose attention costs ~3x the expanded form's for every query;
+        # here the gather copies only the latent, and expanding it through kv_b_proj dominates.
         n, H = q_nope.shape[0], self.num_heads
         total = span.num_computed + n
         ctx = gather_blocks(self.kv_cache, span.block_ids)[0, :total] if self.kv_cache.numel() else entry

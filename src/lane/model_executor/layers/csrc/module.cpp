@@ -11,6 +11,8 @@ extern "C" {
 void lane_paged_decode_attention(const void*, const void*, const void*, int, const int64_t*,
                                  const int32_t*, void*, int64_t, int64_t, int64_t, int64_t, int64_t,
                                  int64_t, float, int);
+void lane_paged_prefill_attention(const void*, const void*, const void*, int, const int64_t*, int64_t, void*,
+                                  int64_t, int64_t, int64_t, int64_t, int64_t, float, int);
 void lane_small_m_linear(const void*, int, const void*, int, const void*, void*, int64_t, int64_t,
                          int64_t, int);
 void lane_rms_norm_(void*, void*, const void*, int, int64_t, int64_t, float, int);
@@ -72,7 +74,7 @@ PyObject* wrap(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 
 #define LANE_DEF(name) {#name, reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(wrap<name>)), METH_FASTCALL, nullptr}
 PyMethodDef methods[] = {
-    LANE_DEF(lane_paged_decode_attention), LANE_DEF(lane_small_m_linear), LANE_DEF(lane_rms_norm_),
+    LANE_DEF(lane_paged_decode_attention), LANE_DEF(lane_paged_prefill_attention), LANE_DEF(lane_small_m_linear), LANE_DEF(lane_rms_norm_),
     LANE_DEF(lane_rotary_), LANE_DEF(lane_silu_and_mul), LANE_DEF(lane_sinkhorn_),
     LANE_DEF(lane_dequant_ggml), LANE_DEF(lane_quantize_rows_q8), LANE_DEF(lane_quant_block_dots),
     LANE_DEF(lane_quant_linear), LANE_DEF(lane_quantize_per_token_int8), LANE_DEF(lane_int8_scale),
