@@ -38,8 +38,8 @@ from lane import platform
 logger = logging.getLogger(__name__)
 
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
-_SOURCES = ("paged_attention.cpp", "prefill_attention.cpp", "gemv.cpp", "elementwise.cpp", "dequant.cpp", "quant_linear.cpp", "kquant.cpp",
-            "int8_linear.cpp", "threads.cpp", "module.cpp")
+_SOURCES = ("paged_attention.cpp", "prefill_attention.cpp", "gemv.cpp", "elementwise.cpp", "dequant.cpp",
+            "quant_linear.cpp", "kquant.cpp", "int8_linear.cpp", "threads.cpp", "module.cpp")
 # round as the numpy reference does
 _SOURCE_CFLAGS = {"dequant.cpp": ["-ffp-contract=off"], "kquant.cpp": ["-ffp-contract=off"]}
 _HEADERS = ("common.h", "kquant_avx512.inc")
