@@ -112,33 +112,55 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// weight rows n0..n1 against R input rows (R <= 8 accumulators in registers)
+// Weight rows [t0, t1) (at most kTile) unpacked once: 32 int8 values per block (Q4_1: the
+// unsigned nibbles), its scale and minimum; every pass over the input rows reads them from L1,
+// so a second pass costs its dot products only.
+constexpr int64_t kTile = 16;
+struct Tile {
+  std::vector<int8_t> q;
+  std::vector<float> d, m;
+  explicit Tile(int64_t nb) : q(kTile * nb * kBlock), d(kTile * nb), m(kTile * nb) {}
+};
+
+void unpack_tile(const uint8_t* wp, int qtype, int64_t nb, int64_t t0, int64_t t1, Tile& t) {
+  const int64_t bb = ggml_block_bytes(qtype), row = nb * bb;
+  for (int64_t n = t0; n < t1; ++n)
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = wp + n * row + b * bb;
+      const int64_t i = (n - t0) * nb + b;
+      t.d[i] = half_at(blk);
+      t.m[i] = qtype == kQ4_1 ? half_at(blk + 2) : 0.f;
+      const __m256i w = qtype == kQ8_0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2))
+                        : qtype == kQ4_0 ? _mm256_sub_epi8(nibbles(blk + 2), _mm256_set1_epi8(8))
+                                         : nibbles(blk + 4);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(&t.q[i * kBlock]), w);
+    }
+}
+
+// the tile's rows against R input rows (R <= 8 accumulators in registers)
 template <int R>
-void rows_simd(const uint8_t* wp, int qtype, const int8_t* qx, const float* dx, const float* sx, float* yf,
-               int64_t N, int64_t K, int64_t n0, int64_t n1) {
-  const int64_t nb = K / kBlock, bb = ggml_block_bytes(qtype), row = nb * bb;
-  for (int64_t n = n0; n < n1; ++n) {
+void rows_simd(const Tile& t, int qtype, const int8_t* qx, const float* dx, const float* sx, float* yf,
+               int64_t N, int64_t K, int64_t t0, int64_t t1) {
+  const int64_t nb = K / kBlock;
+  for (int64_t n = t0; n < t1; ++n) {
     __m256 acc[R];
     float corr[R];
     for (int r = 0; r < R; ++r) {
       acc[r] = _mm256_setzero_ps();
       corr[r] = 0.f;
     }
-    const uint8_t* wr = wp + n * row;
+    const int64_t i0 = (n - t0) * nb;
     for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blk = wr + b * bb;
-      const float dw = half_at(blk);
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&t.q[(i0 + b) * kBlock]));
+      const float dw = t.d[i0 + b];
       if (qtype != kQ4_1) {  // signed x signed (Q8_0; Q4_0's nibbles - 8): |w| times x with w's sign
-        const __m256i w = qtype == kQ8_0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2))
-                                         : _mm256_sub_epi8(nibbles(blk + 2), _mm256_set1_epi8(8));
         const __m256i aw = _mm256_sign_epi8(w, w);
         for (int r = 0; r < R; ++r) {
           const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + r * K + b * kBlock));
           acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * dx[r * nb + b]), dot_us(aw, _mm256_sign_epi8(x, w)), acc[r]);
         }
       } else {  // Q4_1: unsigned nibbles, and the minimum through s_x = d_x * sum(q_x)
-        const __m256i w = nibbles(blk + 4);
-        const float mw = half_at(blk + 2);
+        const float mw = t.m[i0 + b];
         for (int r = 0; r < R; ++r) {
           const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + r * K + b * kBlock));
           acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * dx[r * nb + b]), dot_us(w, x), acc[r]);
@@ -150,9 +172,8 @@ void rows_simd(const uint8_t* wp, int qtype, const int8_t* qx, const float* dx, 
   }
 }
 
-
-using RowsFn = void (*)(const uint8_t*, int, const int8_t*, const float*, const float*, float*, int64_t,
-                       int64_t, int64_t, int64_t);
+using RowsFn = void (*)(const Tile&, int, const int8_t*, const float*, const float*, float*, int64_t, int64_t,
+                       int64_t, int64_t);
 constexpr RowsFn kRows[9] = {nullptr, rows_simd<1>, rows_simd<2>, rows_simd<3>, rows_simd<4>,
                              rows_simd<5>, rows_simd<6>, rows_simd<7>, rows_simd<8>};
 
@@ -166,16 +187,18 @@ extern "C" void lane_quant_linear(const int8_t* qx, const float* dx, const float
   const int64_t nb = K / kBlock, bb = ggml_block_bytes(qtype), row = nb * bb;
   std::vector<float> yf(M * N);
   const uint8_t* wp = static_cast<const uint8_t*>(w);
-  // Rows go in balanced passes of at most 8 (M = 12: 6 + 6), so a step's cost grows
-  // smoothly with M; 16 weight rows stay in cache across a row's passes.
+  // Rows go in balanced passes of at most 8 (M = 12: 6 + 6) over each tile of unpacked weight
+  // rows, so a step's cost grows smoothly with M.
   const int64_t passes = (M + 7) / 8;
   parallel_for(N, 16, threads, [&](int64_t n0, int64_t n1) {
 #if defined(__AVX2__)
-    for (int64_t t0 = n0; t0 < n1; t0 += 16) {
-      const int64_t t1 = t0 + 16 < n1 ? t0 + 16 : n1;
+    Tile tile(nb);
+    for (int64_t t0 = n0; t0 < n1; t0 += kTile) {
+      const int64_t t1 = t0 + kTile < n1 ? t0 + kTile : n1;
+      unpack_tile(wp, qtype, nb, t0, t1, tile);
       for (int64_t p = 0, m = 0; p < passes; ++p) {
         const int64_t r = M / passes + (p < M % passes);
-        kRows[r](wp, qtype, qx + m * K, dx + m * nb, sx + m * nb, yf.data() + m * N, N, K, t0, t1);
+        kRows[r](tile, qtype, qx + m * K, dx + m * nb, sx + m * nb, yf.data() + m * N, N, K, t0, t1);
         m += r;
       }
     }
