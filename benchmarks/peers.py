@@ -41,6 +41,16 @@ DEFAULT_PEERS_DIR = os.path.join("~", ".cache", "lane", "peers")
 # Pinned: a peer figure must name the llama.cpp it measured (0.3.36 vendors a late-2025 tree).
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 LLAMA_CPP_TARGETS = ("llama-bench", "llama-server", "llama-quantize")
+# No AMX: this tree's AMX kernels build their tile config on the stack, which GCC 12 optimises
+# away, so the first tile load raises SIGILL (llama-bench and llama-server die on their first
+# matmul on an AMX CPU; ggml-org/llama.cpp PR #26954). The explicit -mno-* flags win over
+# -march=native whatever their order; everything else stays native (AVX-512, VNNI, BF16).
+_NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+LLAMA_CPP_CMAKE_ARGS = (
+    "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", f"-DCMAKE_C_FLAGS={_NO_AMX}",
+    f"-DCMAKE_CXX_FLAGS={_NO_AMX}", "-DLLAMA_CURL=OFF", "-DBUILD_SHARED_LIBS=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_TOOLS=ON",
+    "-DLLAMA_BUILD_SERVER=ON")
 LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_cpu_launcher.py")
 
 # Files whose presence marks a finished conversion (written last: see smollm_hf_dir).
@@ -187,8 +197,9 @@ def vllm_serve_command(python: str, model_dir: str, port: int, served_name: str,
 
 
 def _cpu_flags_hash() -> str:
-    """Short hash of this CPU's ISA flags: a -DGGML_NATIVE=ON build may use instructions
-    another CPU lacks, so a cached build is keyed by the flags it was built for."""
+    """Short hash of this CPU's ISA flags and the CMake arguments: a -DGGML_NATIVE=ON build
+    may use instructions another CPU lacks, so a cached build is keyed by the flags it was
+    built for (and a changed recipe never reuses an old build)."""
     flags = ""
     try:
         with open("/proc/cpuinfo") as f:
@@ -196,15 +207,16 @@ def _cpu_flags_hash() -> str:
     except OSError:
         pass
     flags = " ".join(sorted(flags.split(":", 1)[-1].split())) or os.uname().machine
-    return hashlib.sha256(flags.encode()).hexdigest()[:10]
+    return hashlib.sha256("\n".join((flags, *LLAMA_CPP_CMAKE_ARGS)).encode()).hexdigest()[:10]
 
 
 def llama_cpp_bin_dir(cache_dir: str | None = None, jobs: int | None = None) -> str:
     """Directory holding llama-bench, llama-server and llama-quantize, built once.
 
     Downloads the pinned llama-cpp-python sdist, builds its vendor/llama.cpp with CMake
-    (Release, GGML_NATIVE: this CPU's ISA, as a user building it here would get) and caches
-    the binaries in <cache>/llama.cpp-<version>-<cpu flags hash>/bin; <cache> defaults to
+    (Release, GGML_NATIVE: this CPU's ISA, as a user building it here would get, less AMX:
+    see _NO_AMX) and caches the binaries in <cache>/llama.cpp-<version>-<hash>/bin (the hash:
+    of the CPU's flags and LLAMA_CPP_CMAKE_ARGS); <cache> defaults to
     ~/.cache/lane/peers. Prints a line per stage; CMake's output goes to a log file.
     """
     root = os.path.abspath(os.path.expanduser(cache_dir or DEFAULT_PEERS_DIR))
@@ -252,10 +264,7 @@ def llama_cpp_bin_dir(cache_dir: str | None = None, jobs: int | None = None) -> 
         llama_src = os.path.join(src, top, "vendor", "llama.cpp")
         build = os.path.join(home, "build")
         say("configuring (cmake)")
-        step(["cmake", "-S", llama_src, "-B", build, "-DCMAKE_BUILD_TYPE=Release",
-              "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DBUILD_SHARED_LIBS=OFF",
-              "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-              "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=ON"])
+        step(["cmake", "-S", llama_src, "-B", build, *LLAMA_CPP_CMAKE_ARGS])
         say(f"compiling {', '.join(LLAMA_CPP_TARGETS)} with -j {jobs}")
         step(["cmake", "--build", build, "--config", "Release", "-j", str(jobs),
               "--target", *LLAMA_CPP_TARGETS])
@@ -266,6 +275,27 @@ def llama_cpp_bin_dir(cache_dir: str | None = None, jobs: int | None = None) -> 
         f.write(f"llama-cpp-python {ver}, built in {time.monotonic() - t0:.0f} s\n")
     say(f"done in {time.monotonic() - t0:.0f} s: {bin_dir}")
     return bin_dir
+
+
+def smollm_gguf_requantized(kind: str, cache_dir: str | None = None) -> str:
+    """The packaged SmolLM2 GGUF requantized to `kind` (llama-quantize's name: Q8_0, Q4_K_M,
+    ...), made once: <cache>/SmolLM2-135M-Instruct.<kind>.gguf (default ~/.cache/lane/peers).
+
+    The source is the Q4_1 file (no higher-precision one is packaged), so the weights carry
+    Q4_1's error plus the new rounding. Rows whose length is not a multiple of 256 (SmolLM2's
+    576-wide ones) cannot hold K-quants: llama-quantize falls back for those; the log beside
+    the file says which type each tensor got.
+    """
+    root = os.path.abspath(os.path.expanduser(cache_dir or DEFAULT_PEERS_DIR))
+    out = os.path.join(root, SMOLLM_GGUF.replace("Q4_1", kind))
+    if os.path.isfile(out):
+        return out
+    tmp = out + ".tmp"
+    with open(out + ".log", "w") as log:
+        subprocess.run([os.path.join(llama_cpp_bin_dir(cache_dir), "llama-quantize"), "--allow-requantize",
+                        smollm_gguf_path(), tmp, kind], stdout=log, stderr=subprocess.STDOUT, check=True)
+    os.replace(tmp, out)  # renamed when whole: an interrupted run never looks finished
+    return out
 
 
 if __name__ == "__main__":
