@@ -137,11 +137,31 @@ void unpack_tile(const uint8_t* wp, int qtype, int64_t nb, int64_t t0, int64_t t
     }
 }
 
-// the tile's rows against R input rows (R <= 8 accumulators in registers)
+// One weight block (w: its 32 values as int8, Q4_1's as unsigned nibbles) into R rows' sums
 template <int R>
-void rows_simd(const Tile& t, int qtype, const int8_t* qx, const float* dx, const float* sx, float* yf,
-               int64_t N, int64_t K, int64_t t0, int64_t t1) {
-  const int64_t nb = K / kBlock;
+inline void block_dot(__m256i w, float dw, float mw, int qtype, const int8_t* qx, const float* dx,
+                      const float* sx, int64_t K, int64_t nb, int64_t b, __m256* acc, float* corr) {
+  if (qtype != kQ4_1) {  // signed x signed (Q8_0; Q4_0's nibbles - 8): |w| times x with w's sign
+    const __m256i aw = _mm256_sign_epi8(w, w);
+    for (int r = 0; r < R; ++r) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + r * K + b * kBlock));
+      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * dx[r * nb + b]), dot_us(aw, _mm256_sign_epi8(x, w)), acc[r]);
+    }
+  } else {  // Q4_1: unsigned nibbles, and the minimum through s_x = d_x * sum(q_x)
+    for (int r = 0; r < R; ++r) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + r * K + b * kBlock));
+      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * dx[r * nb + b]), dot_us(w, x), acc[r]);
+      corr[r] += mw * sx[r * nb + b];
+    }
+  }
+}
+
+// Weight rows [t0, t1) against R input rows (R <= 8 accumulators in registers): from the
+// unpacked tile (Tiled), or unpacked in registers as they stream (one pass: no round trip)
+template <int R, bool Tiled>
+void rows_simd(const Tile* t, const uint8_t* wp, int qtype, const int8_t* qx, const float* dx, const float* sx,
+               float* yf, int64_t N, int64_t K, int64_t t0, int64_t t1) {
+  const int64_t nb = K / kBlock, bb = ggml_block_bytes(qtype), row = nb * bb;
   for (int64_t n = t0; n < t1; ++n) {
     __m256 acc[R];
     float corr[R];
@@ -149,33 +169,30 @@ void rows_simd(const Tile& t, int qtype, const int8_t* qx, const float* dx, cons
       acc[r] = _mm256_setzero_ps();
       corr[r] = 0.f;
     }
-    const int64_t i0 = (n - t0) * nb;
     for (int64_t b = 0; b < nb; ++b) {
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&t.q[(i0 + b) * kBlock]));
-      const float dw = t.d[i0 + b];
-      if (qtype != kQ4_1) {  // signed x signed (Q8_0; Q4_0's nibbles - 8): |w| times x with w's sign
-        const __m256i aw = _mm256_sign_epi8(w, w);
-        for (int r = 0; r < R; ++r) {
-          const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + r * K + b * kBlock));
-          acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * dx[r * nb + b]), dot_us(aw, _mm256_sign_epi8(x, w)), acc[r]);
-        }
-      } else {  // Q4_1: unsigned nibbles, and the minimum through s_x = d_x * sum(q_x)
-        const float mw = t.m[i0 + b];
-        for (int r = 0; r < R; ++r) {
-          const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + r * K + b * kBlock));
-          acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * dx[r * nb + b]), dot_us(w, x), acc[r]);
-          corr[r] += mw * sx[r * nb + b];
-        }
+      if (Tiled) {
+        const int64_t i = (n - t0) * nb + b;
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&t->q[i * kBlock]));
+        block_dot<R>(w, t->d[i], t->m[i], qtype, qx, dx, sx, K, nb, b, acc, corr);
+      } else {
+        const uint8_t* blk = wp + n * row + b * bb;
+        const __m256i w = qtype == kQ8_0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2))
+                          : qtype == kQ4_0 ? _mm256_sub_epi8(nibbles(blk + 2), _mm256_set1_epi8(8))
+                                           : nibbles(blk + 4);
+        block_dot<R>(w, half_at(blk), qtype == kQ4_1 ? half_at(blk + 2) : 0.f, qtype, qx, dx, sx, K, nb, b, acc,
+                     corr);
       }
     }
     for (int r = 0; r < R; ++r) yf[r * N + n] = hsum(acc[r]) + corr[r];
   }
 }
 
-using RowsFn = void (*)(const Tile&, int, const int8_t*, const float*, const float*, float*, int64_t, int64_t,
-                       int64_t, int64_t);
-constexpr RowsFn kRows[9] = {nullptr, rows_simd<1>, rows_simd<2>, rows_simd<3>, rows_simd<4>,
-                             rows_simd<5>, rows_simd<6>, rows_simd<7>, rows_simd<8>};
+using RowsFn = void (*)(const Tile*, const uint8_t*, int, const int8_t*, const float*, const float*, float*, int64_t,
+                       int64_t, int64_t, int64_t);
+template <bool Tiled>
+constexpr RowsFn kRows[9] = {nullptr, rows_simd<1, Tiled>, rows_simd<2, Tiled>, rows_simd<3, Tiled>,
+                             rows_simd<4, Tiled>, rows_simd<5, Tiled>, rows_simd<6, Tiled>, rows_simd<7, Tiled>,
+                             rows_simd<8, Tiled>};
 
 }  // namespace
 #endif
@@ -192,13 +209,18 @@ extern "C" void lane_quant_linear(const int8_t* qx, const float* dx, const float
   const int64_t passes = (M + 7) / 8;
   parallel_for(N, 16, threads, [&](int64_t n0, int64_t n1) {
 #if defined(__AVX2__)
+    if (passes == 1) {  // one pass: unpacking in registers beats a round trip through the tile
+      for (int64_t t0 = n0; t0 < n1; t0 += kTile)
+        kRows<false>[M](nullptr, wp, qtype, qx, dx, sx, yf.data(), N, K, t0, t0 + kTile < n1 ? t0 + kTile : n1);
+      return;
+    }
     Tile tile(nb);
     for (int64_t t0 = n0; t0 < n1; t0 += kTile) {
       const int64_t t1 = t0 + kTile < n1 ? t0 + kTile : n1;
       unpack_tile(wp, qtype, nb, t0, t1, tile);
       for (int64_t p = 0, m = 0; p < passes; ++p) {
         const int64_t r = M / passes + (p < M % passes);
-        kRows[r](tile, qtype, qx + m * K, dx + m * nb, sx + m * nb, yf.data() + m * N, N, K, t0, t1);
+        kRows<true>[r](&tile, wp, qtype, qx + m * K, dx + m * nb, sx + m * nb, yf.data() + m * N, N, K, t0, t1);
         m += r;
       }
     }
