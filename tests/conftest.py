@@ -233,3 +233,26 @@ def teacher_forced_logits(llm, ids: list[int], chunk: int = 16) -> torch.Tensor:
         with torch.inference_mode(), set_forward_context(md):
             logits.append(model.compute_logits(model(torch.tensor(ids[s:e]), torch.arange(s, e))))
     return torch.cat(logits).float()
+
+
+def narrower_isas() -> list[str]:
+    from lane import platform
+
+    return [i for i in platform.CPU_ISAS if platform.CPU_ISAS.index(i) < platform.CPU_ISAS.index(platform.native_cpu_isa())]
+
+
+def check_kernels_on(module: str, isa: str, **env: str) -> dict:
+    """Run tests/<module>.py's ``check_kernels()`` in a subprocess whose kernel build is capped at
+    ``isa`` (with extra env, as LANE_CPU_VNNI=0); returns its JSON result, whose isa it checks."""
+    import json
+    import subprocess
+    import sys
+
+    code = (f"import json, sys; sys.path.insert(0, 'tests'); import {module} as t; "
+            "print(json.dumps(t.check_kernels()))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "LANE_CPU_ISA": isa, **env}, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["isa"] == isa
+    return out

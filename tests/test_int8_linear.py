@@ -3,16 +3,13 @@ quantizers' definitions, the int32 dot products exactly equal to an integer refe
 outputs within 1e-6 (relative to the sum of |terms|) of float64 on the same quantized weights
 and activations, for M = 1..16 (the kernels) and 17, 64 (torch's GEMMs), on every kernel
 path this CPU has and on the torch-only fallback."""
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from lane import platform
 from lane.model_executor.layers import cpu_kernels
+
+from conftest import check_kernels_on, narrower_isas
 
 SHAPES = ((37, 100), (64, 576), (5, 7))  # N, K: neither a multiple of 32 / 64, and one that is
 ROWS = list(range(1, 17)) + [17, 64]
@@ -98,14 +95,7 @@ def test_torch_fallback(monkeypatch):
     check_kernels(shapes=((37, 100),), rows=(1, 5, 17))
 
 
-@pytest.mark.parametrize("isa", [i for i in platform.CPU_ISAS
-                                 if platform.CPU_ISAS.index(i) < platform.CPU_ISAS.index(platform.native_cpu_isa())])
+@pytest.mark.parametrize("isa", narrower_isas())
 def test_kernels_on_narrower_paths(isa):
     """The generic and AVX2 builds, on this CPU (LANE_CPU_ISA caps the build)."""
-    code = ("import json, sys; sys.path.insert(0, 'tests'); import test_int8_linear as t; "
-            "from lane.model_executor.layers import cpu_kernels; assert cpu_kernels.build(); "
-            "print(json.dumps(t.check_kernels()))")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "LANE_CPU_ISA": isa}, cwd=os.path.dirname(os.path.dirname(__file__)))
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert json.loads(r.stdout.strip().splitlines()[-1])["isa"] == isa
+    check_kernels_on("test_int8_linear", isa)

@@ -1,10 +1,6 @@
 """GGUF K-quants (Q4_K, Q5_K, Q6_K) kept in their blocks: the dequantizer bit-exact with
 gguf's, the integer kernels against integer and float64 references on the same quantized
 values on every kernel path this CPU has, and a tiny K-quantized llama run that way."""
-import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -14,7 +10,7 @@ from lane import platform
 from lane.model_executor.layers import cpu_kernels
 from lane.model_executor.layers.linear import quant_rows
 
-from conftest import teacher_forced_logits
+from conftest import check_kernels_on, narrower_isas, teacher_forced_logits
 
 BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}  # per super-block of 256 weights
 QMAX = {"Q4_K": 15, "Q5_K": 31}
@@ -200,9 +196,8 @@ def test_kernels_on_this_path():
 
 
 def _paths():
-    native = platform.native_cpu_isa()
-    paths = [(i, "1") for i in platform.CPU_ISAS if platform.CPU_ISAS.index(i) < platform.CPU_ISAS.index(native)]
-    if native == "avx512" and "avx512_vnni" in platform.cpu_flags():
+    paths = [(i, "1") for i in narrower_isas()]
+    if platform.native_cpu_isa() == "avx512" and "avx512_vnni" in platform.cpu_flags():
         paths.append(("avx512", "0"))  # AVX-512 without its VNNI rows
     return paths
 
@@ -210,13 +205,7 @@ def _paths():
 @pytest.mark.parametrize("isa,vnni", _paths())
 def test_kernels_on_other_paths(isa, vnni):
     """The generic and AVX2 builds, and AVX-512 without VNNI, on this CPU."""
-    code = ("import json, sys; sys.path.insert(0, 'tests'); import test_kquant as t; "
-            "print(json.dumps(t.check_kernels()))")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "LANE_CPU_ISA": isa, "LANE_CPU_VNNI": vnni},
-                       cwd=os.path.dirname(os.path.dirname(__file__)))
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert json.loads(r.stdout.strip().splitlines()[-1])["isa"] == isa
+    check_kernels_on("test_kquant", isa, LANE_CPU_VNNI=vnni)
 
 
 # -- end to end: a tiny K-quantized llama ----------------------------------------------------

@@ -1,16 +1,13 @@
 """The paged prefill attention kernel against a float64 reference of causal attention
 with cached context: random caches, shuffled block tables, GQA, odd sizes, on every
 kernel path this CPU has."""
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from lane import platform
 from lane.model_executor.layers import cpu_kernels
+
+from conftest import check_kernels_on, narrower_isas
 
 
 def reference(q, kc, vc, block_ids, num_computed, scale):
@@ -63,16 +60,10 @@ def test_kernel_on_this_path():
     check_kernels()
 
 
-@pytest.mark.parametrize("isa", [i for i in platform.CPU_ISAS
-                                 if platform.CPU_ISAS.index(i) < platform.CPU_ISAS.index(platform.native_cpu_isa())])
+@pytest.mark.parametrize("isa", narrower_isas())
 def test_kernel_on_narrower_paths(isa):
     """The generic and AVX2 builds, on this CPU (LANE_CPU_ISA caps the build)."""
-    code = ("import json, sys; sys.path.insert(0, 'tests'); import test_prefill_attention as t; "
-            "print(json.dumps(t.check_kernels()))")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "LANE_CPU_ISA": isa}, cwd=os.path.dirname(os.path.dirname(__file__)))
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert json.loads(r.stdout.strip().splitlines()[-1])["isa"] == isa
+    check_kernels_on("test_prefill_attention", isa)
 
 
 @pytest.mark.parametrize("nc", [0, 45])

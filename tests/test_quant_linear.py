@@ -1,7 +1,6 @@
 """GGUF weights kept in their blocks (--quantization auto): the integer kernels against
 integer and float64 references on the same quantized values, on every kernel path this
 CPU has; and the embedded SmolLM2 run that way (memory, perplexity)."""
-import json
 import math
 import os
 import subprocess
@@ -10,10 +9,9 @@ import sys
 import pytest
 import torch
 
-from lane import platform
 from lane.model_executor.layers import cpu_kernels
 
-from conftest import teacher_forced_logits
+from conftest import check_kernels_on, narrower_isas, teacher_forced_logits
 
 KINDS = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # bytes per 32 weights
 
@@ -81,16 +79,10 @@ def test_kernels_on_this_path():
     check_kernels()
 
 
-@pytest.mark.parametrize("isa", [i for i in platform.CPU_ISAS
-                                 if platform.CPU_ISAS.index(i) < platform.CPU_ISAS.index(platform.native_cpu_isa())])
+@pytest.mark.parametrize("isa", narrower_isas())
 def test_kernels_on_narrower_paths(isa):
     """The generic and AVX2 builds, on this CPU (LANE_CPU_ISA caps the build)."""
-    code = ("import json, sys; sys.path.insert(0, 'tests'); import test_quant_linear as t; "
-            "print(json.dumps(t.check_kernels()))")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "LANE_CPU_ISA": isa}, cwd=os.path.dirname(os.path.dirname(__file__)))
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert json.loads(r.stdout.strip().splitlines()[-1])["isa"] == isa
+    check_kernels_on("test_quant_linear", isa)
 
 
 def perplexity(llm, ids: list[int], chunk: int = 16) -> float:
