@@ -14,7 +14,7 @@ from lane import SamplingParams
 from conftest import PROMPTS
 from utils import RemoteServer, metric
 
-ARGS = ["--dtype", "float32", "--kv-cache-memory-bytes", "128M", "--max-model-len", "1024"]
+ARGS = ["--dtype", "float32", "--quantization", "none", "--kv-cache-memory-bytes", "128M", "--max-model-len", "1024"]  # as lane_smollm_fp32
 
 
 def test_data_parallel_spreads_requests_and_keeps_outputs(lane_smollm_fp32):
