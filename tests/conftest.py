@@ -249,6 +249,7 @@ def check_kernels_on(module: str, isa: str, **env: str) -> dict:
     import sys
 
     code = (f"import json, sys; sys.path.insert(0, 'tests'); import {module} as t; "
+            "from lane.model_executor.layers import cpu_kernels; assert cpu_kernels.build(); "
             "print(json.dumps(t.check_kernels()))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                        env={**os.environ, "LANE_CPU_ISA": isa, **env}, cwd=os.path.dirname(os.path.dirname(__file__)))
