@@ -241,6 +241,12 @@ def narrower_isas() -> list[str]:
     return [i for i in platform.CPU_ISAS if platform.CPU_ISAS.index(i) < platform.CPU_ISAS.index(platform.native_cpu_isa())]
 
 
+def rel_to_terms(y: torch.Tensor, terms: torch.Tensor) -> float:
+    """Worst error of y [M, N] against the float64 sum of its terms [M, N, T], relative to the sum
+    of their magnitudes (a sum that cancels to near zero is held to the size of its parts)."""
+    return float(((y.double() - terms.sum(-1)).abs() / terms.abs().sum(-1)).max())
+
+
 def check_kernels_on(module: str, isa: str, **env: str) -> dict:
     """Run tests/<module>.py's ``check_kernels()`` in a subprocess whose kernel build is capped at
     ``isa`` (with extra env, as LANE_CPU_VNNI=0); returns its JSON result, whose isa it checks."""

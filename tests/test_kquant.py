@@ -10,7 +10,7 @@ from lane import platform
 from lane.model_executor.layers import cpu_kernels
 from lane.model_executor.layers.linear import quant_rows
 
-from conftest import check_kernels_on, narrower_isas, teacher_forced_logits
+from conftest import check_kernels_on, narrower_isas, rel_to_terms, teacher_forced_logits
 
 BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}  # per super-block of 256 weights
 QMAX = {"Q4_K": 15, "Q5_K": 31}
@@ -183,9 +183,7 @@ def check_kernels(shapes=((37, 256), (5, 768))) -> dict:
                 xsum = qx.view(M, -1, L).double().sum(-1)
                 terms = (ws[None] * dxs[:, None] * dots.double()
                          - wm[None] * (dxs * xsum)[:, None])  # [M, N, sub-blocks]
-                ref = terms.sum(-1)
-                y = cpu_kernels.quant_linear(x, wt, kind, N).double()
-                rel = float(((y - ref).abs() / terms.abs().sum(-1)).max())
+                rel = rel_to_terms(cpu_kernels.quant_linear(x, wt, kind, N), terms)
                 worst = max(worst, rel)
                 assert rel < 1e-6, (kind, N, K, M, rel)
     return {"isa": cpu_kernels.isa(), "worst": worst}

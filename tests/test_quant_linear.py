@@ -11,7 +11,7 @@ import torch
 
 from lane.model_executor.layers import cpu_kernels
 
-from conftest import check_kernels_on, narrower_isas, teacher_forced_logits
+from conftest import check_kernels_on, narrower_isas, rel_to_terms, teacher_forced_logits
 
 KINDS = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # bytes per 32 weights
 
@@ -67,9 +67,7 @@ def check_kernels(shapes=((37, 96), (64, 576))) -> dict:
                 assert torch.equal(cpu_kernels.quant_block_dots(qx, blocks, kind, N).long(), dots), (kind, M)
                 terms = (dw.double()[None] * dx.double()[:, None] * dots.double()
                          + mw.double()[None] * sx.double()[:, None])  # [M, N, blocks]
-                ref = terms.sum(-1)
-                y = cpu_kernels.quant_linear(x, blocks, kind, N).double()
-                rel = float(((y - ref).abs() / terms.abs().sum(-1)).max())
+                rel = rel_to_terms(cpu_kernels.quant_linear(x, blocks, kind, N), terms)
                 worst = max(worst, rel)
                 assert rel < 1e-6, (kind, N, K, M, rel)
     return {"isa": cpu_kernels.isa(), "worst": worst}

@@ -343,7 +343,7 @@ def quant_linear(x: torch.Tensor, blocks: torch.Tensor, kind: str, N: int, bias:
     the K-quants)."""
     M, K = x.shape
     y = torch.empty(M, N, dtype=x.dtype)
-    b = None if bias is None else bias.float().contiguous()
+    b = _bias_f32(bias)
     bp = None if b is None else b.data_ptr()
     code, threads = GGML_KINDS[kind][0], torch.get_num_threads()
     if kind in K_KINDS:
@@ -410,9 +410,7 @@ def quantize_per_token_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     sx = max|x_row| / 127, qx = round(x / sx) (rounded as x * (127 / max|x_row|))."""
     M, K = x.shape
     if _lib is None or x.dtype not in _DTYPE_CODES:
-        xf = x.float()
-        sx = xf.abs().amax(dim=1) / 127
-        return torch.round(xf / torch.where(sx > 0, sx, 1)[:, None]).clamp_(-127, 127).to(torch.int8), sx
+        return quantize_weight_int8(x)  # the same per-row definition, in torch
     x = x.contiguous()
     qx = torch.empty(M, K, dtype=torch.int8)
     sx = torch.empty(M, dtype=torch.float32)

@@ -94,12 +94,11 @@ class FusedMoE(nn.Module):
         self.qkind = "w8a8" if activations else "int8"
         for name in ("w13", "w2"):
             w = getattr(self, name).detach()
-            parts = [cpu_kernels.quantize_weight_int8(w[e]) for e in range(self.num_experts)]
-            q = torch.stack([p[0] for p in parts])
-            setattr(self, "q" + name, q)
-            setattr(self, name + "_scale", torch.stack([p[1] for p in parts]))
-            setattr(self, name + "_sums", torch.stack([cpu_kernels.int8_weight_sums(q[e]) for e in range(len(q))])
-                    if activations else None)
+            E, N, K = w.shape  # every (expert, output channel) is one row of the flattened stack
+            q, scale = cpu_kernels.quantize_weight_int8(w.reshape(E * N, K))
+            setattr(self, "q" + name, q.view(E, N, K))
+            setattr(self, name + "_scale", scale.view(E, N))
+            setattr(self, name + "_sums", cpu_kernels.int8_weight_sums(q).view(E, N) if activations else None)
             setattr(self, name, None)
 
     def quantized_tensors(self) -> list[torch.Tensor | None]:

@@ -143,7 +143,6 @@ class Linear(nn.Linear):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
         return linear(x, self.weight, self.bias)
 
-
     def _quantized(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)

@@ -74,25 +74,22 @@ def quantize_weights_int8(model: nn.Module, activations: bool) -> int:
     return len(targets)
 
 
+def _keeps_gguf_blocks(model_config: ModelConfig) -> bool:
+    """--quantization auto on the CPU: a GGUF's quantized weights stay in their blocks."""
+    return model_config.quantization == "auto" and model_config.device_type.type == "cpu"
+
+
 def planned_weight_bytes(model_config: ModelConfig, model: nn.Module) -> int:
     """The resident weight bytes ``get_model`` will report, from a weightless (meta) model and the
     checkpoint's tensor records: what `lane explain` shows before anything loads."""
     import math
 
-    import gguf
-
-    from lane.model_executor.layers.cpu_kernels import GGML_KINDS
-
     if model_config.gguf_file:
-        from lane.model_executor.loader.gguf_loader import hf_tensor_name
+        from lane.model_executor.loader.gguf_loader import hf_tensor_name, keeps_blocks
 
-        keep = model_config.quantization == "auto" and model_config.device_type.type == "cpu"
+        keep = _keeps_gguf_blocks(model_config)
         size = torch.empty(0, dtype=model_config.dtype).element_size()
-        def kept(t) -> bool:  # as iter_gguf_weights decides
-            kind = GGML_KINDS.get(gguf.GGMLQuantizationType(t.tensor_type).name)
-            return keep and kind is not None and len(t.shape) == 2 and t.shape[1] % kind[1] == 0
-
-        return sum(t.data.nbytes if kept(t) else math.prod(t.shape) * size
+        return sum(t.data.nbytes if keep and keeps_blocks(t) else math.prod(t.shape) * size
                    for t in model_config.gguf_reader.tensors if hf_tensor_name(t.name))
     dense = {id(p): p.numel() * p.element_size() for p in model.parameters()}
     if model_config.quantization in ("int8", "w8a8"):
@@ -131,7 +128,7 @@ def get_model(model_config: ModelConfig, load_threads: int = 4, progress: bool =
         # one load_weights call for the whole stream: it maps the parameters once
         loaded.update(model.load_weights(tqdm(
             iter_gguf_weights(reader, model_config.hf_config, model_config.dtype,
-                              keep_quantized=model_config.quantization == "auto" and model_config.device_type.type == "cpu",
+                              keep_quantized=_keeps_gguf_blocks(model_config),
                               dequantized=dequantized),
             total=len(reader.tensors), desc=desc, disable=not progress, unit="tensor")))
     else:
@@ -161,12 +158,13 @@ def get_model(model_config: ModelConfig, load_threads: int = 4, progress: bool =
     if tracer.enabled:  # step 4
         tracer.record(Step.LOADER_LOAD_WEIGHTS, t_load, time.monotonic(), tensors=len(loaded),
                       format="gguf" if model_config.gguf_file else "safetensors")
-    quantized = [m for m in model.modules() if "+" not in (getattr(m, "qkind", None) or "+")]
+    kinds = [k for k in (getattr(m, "qkind", None) for m in model.modules()) if k]
+    quantized = Counter(k for k in kinds if "+" not in k)
+    mixed = Counter(k for k in kinds if "+" in k)  # a fused GGUF layer whose parts' kinds differ: dense
     resident = resident_weight_bytes(model)
     notes = []  # what is quantized, and which quantized kinds were not kept
     if quantized:
-        notes.append(f"{len(quantized)} layers quantized: {_kinds(Counter(m.qkind for m in quantized))}")
-    mixed = Counter(m.qkind for m in model.modules() if "+" in (getattr(m, "qkind", None) or ""))
+        notes.append(f"{quantized.total()} layers quantized: {_kinds(quantized)}")
     if mixed:
         notes.append(f"fused layers of mixed kinds dequantized to dense: {_kinds(mixed)}")
     if dequantized:

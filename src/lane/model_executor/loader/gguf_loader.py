@@ -119,6 +119,15 @@ class GGMLBlocks:
         return dequantize(self.blocks.numpy(), int(gguf.GGMLQuantizationType[self.kind]), self.shape, self.dtype)
 
 
+def keeps_blocks(t) -> bool:
+    """Whether a GGUF tensor can stay in its blocks: a 2-D weight of a kind the kernels run
+    (cpu_kernels.GGML_KINDS), its rows whole blocks."""
+    import gguf
+
+    kind = cpu_kernels.GGML_KINDS.get(gguf.GGMLQuantizationType(t.tensor_type).name)
+    return kind is not None and len(t.shape) == 2 and t.shape[1] % kind[1] == 0
+
+
 def iter_gguf_weights(reader, hf_config, dtype: torch.dtype = torch.float32, keep_quantized: bool = False,
                       dequantized: Counter | None = None) -> Iterator[tuple[str, "torch.Tensor | GGMLBlocks"]]:
     """(HF name, tensor) for every tensor; with ``keep_quantized``, 2-D tensors of a kind in
@@ -129,8 +138,6 @@ def iter_gguf_weights(reader, hf_config, dtype: torch.dtype = torch.float32, kee
 
     arch = gguf_field(reader, "general.architecture")
     floats = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16}
-    # what the kernels run: kind -> values per block
-    kept = {int(gguf.GGMLQuantizationType[k]): v for k, (_, v, _) in cpu_kernels.GGML_KINDS.items()}
     for t in reader.tensors:
         name = hf_tensor_name(t.name)
         if name is None:
@@ -142,7 +149,7 @@ def iter_gguf_weights(reader, hf_config, dtype: torch.dtype = torch.float32, kee
             elif name.endswith("self_attn.k_proj.weight"):
                 heads = hf_config.num_key_value_heads
         kind = gguf.GGMLQuantizationType(t.tensor_type).name
-        if keep_quantized and t.tensor_type in kept and len(t.shape) == 2 and t.shape[1] % kept[t.tensor_type] == 0:
+        if keep_quantized and keeps_blocks(t):
             blocks = torch.from_numpy(np.array(t.data, copy=True)).view(t.shape[0], -1)
             if heads is not None:  # rows of blocks permute as rows of weights do
                 blocks = _unpermute(blocks, heads).contiguous()

@@ -165,7 +165,6 @@ class LlamaForCausalLM(nn.Module):
             target = ".".join(parts[:-2] + [fused, parts[-1]])
         if target not in params and not isinstance(tensor, GGMLBlocks):
             raise KeyError(f"checkpoint tensor {name} has no place in {type(self).__name__}")
-        param = params.get(target)
         if isinstance(tensor, GGMLBlocks):
             module = self.get_submodule(target.rpartition(".")[0])
             if not cpu_kernels.build() or not isinstance(module, (Linear, VocabEmbedding)):

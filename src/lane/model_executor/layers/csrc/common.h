@@ -107,6 +107,17 @@ inline float half_at(const uint8_t* p) {  // an fp16 field of a block
   return to_f(h);
 }
 
+// n activations to int8 as ggml quantizes them for its integer dot products (Q8_0's and
+// Q8_K's blocks): returns d = max|x| / 127 and writes q = rint(x / d), as x * (1 / d)
+template <typename T>
+inline float quantize_block_q8(const T* x, int n, int8_t* q) {
+  float amax = 0.f;
+  for (int i = 0; i < n; ++i) amax = __builtin_fmaxf(amax, __builtin_fabsf(to_f(x[i])));
+  const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+  for (int i = 0; i < n; ++i) q[i] = static_cast<int8_t>(__builtin_rintf(to_f(x[i]) * inv));
+  return d;
+}
+
 // Split [0, n) into one contiguous range per thread, as at::parallel_for does; inline
 // when there is one thread or too little work.
 template <typename F>

@@ -17,7 +17,6 @@
 // kernels' FMAs are explicit intrinsics.
 #include "common.h"
 
-#include <cmath>
 #include <cstdlib>
 #include <vector>
 #if defined(__AVX2__)
@@ -338,12 +337,8 @@ extern "C" void lane_quantize_rows_q8k(const void* x, int x_dtype, int8_t* q, fl
     const T* xp = static_cast<const T*>(x);
     for (int64_t m = 0; m < M; ++m)
       for (int64_t b = 0; b < nb; ++b) {
-        const T* v = xp + m * K + b * QK;
-        float amax = 0.f;
-        for (int i = 0; i < QK; ++i) amax = std::fmax(amax, std::fabs(to_f(v[i])));
-        const float scale = amax / 127.f, inv = scale > 0.f ? 1.f / scale : 0.f;
         int8_t* qb = q + m * K + b * QK;
-        for (int i = 0; i < QK; ++i) qb[i] = static_cast<int8_t>(__builtin_rintf(to_f(v[i]) * inv));
+        const float scale = quantize_block_q8(xp + m * K + b * QK, QK, qb);
         for (int j = 0; j < 16; ++j) {
           int s = 0;
           for (int i = 0; i < 16; ++i) s += qb[16 * j + i];

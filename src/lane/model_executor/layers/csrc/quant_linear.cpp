@@ -12,7 +12,6 @@
 // the lane reductions exact rounding needs cost more than the dot products saved.
 #include "common.h"
 
-#include <cmath>
 #include <vector>
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -58,18 +57,10 @@ extern "C" void lane_quantize_rows_q8(const void* x, int x_dtype, int8_t* q, flo
     const T* xp = static_cast<const T*>(x);
     for (int64_t m = 0; m < M; ++m)
       for (int64_t b = 0; b < nb; ++b) {
-        float v[kBlock], amax = 0.f;
-        for (int i = 0; i < kBlock; ++i) {
-          v[i] = to_f(xp[m * K + b * kBlock + i]);
-          amax = std::fmax(amax, std::fabs(v[i]));
-        }
-        const float scale = amax / 127.f, inv = scale > 0.f ? 1.f / scale : 0.f;
+        int8_t* qb = q + m * K + b * kBlock;
+        const float scale = quantize_block_q8(xp + m * K + b * kBlock, kBlock, qb);
         int32_t sum = 0;
-        for (int i = 0; i < kBlock; ++i) {
-          const int8_t qi = static_cast<int8_t>(__builtin_rintf(v[i] * inv));
-          q[m * K + b * kBlock + i] = qi;
-          sum += qi;
-        }
+        for (int i = 0; i < kBlock; ++i) sum += qb[i];
         d[m * nb + b] = scale;
         s[m * nb + b] = scale * static_cast<float>(sum);
       }
