@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from lane import platform
 from lane.model_executor.layers import cpu_kernels
 
 from conftest import check_kernels_on, narrower_isas, rel_to_terms, teacher_forced_logits
@@ -47,7 +48,8 @@ def unpack_reference(kind: str, blocks: torch.Tensor, K: int):
 
 def check_kernels(shapes=((37, 96), (64, 576))) -> dict:
     """Every kind, M = 1..16: int32 block dots equal the integer reference exactly; outputs
-    within 1e-6 relative of float64 on the same quantized weights and activations."""
+    within 1e-6 relative of float64 on the same quantized weights and activations. With N a
+    multiple of 8, also in the repacked x8 layout, which dequantizes to the same values."""
     assert cpu_kernels.build()
     g = torch.Generator().manual_seed(0)
     worst = 0.0
@@ -55,6 +57,11 @@ def check_kernels(shapes=((37, 96), (64, 576))) -> dict:
         for N, K in shapes:
             blocks = random_blocks(kind, N, K, g)
             qw, dw, mw = unpack_reference(kind, blocks, K)
+            x8 = cpu_kernels.repack_x8(blocks, kind, N)
+            assert (x8 is not None) == (N % 8 == 0)
+            if x8 is not None:
+                assert torch.equal(cpu_kernels.dequant_x8(x8, kind, N, K, torch.float32).view(-1),
+                                   cpu_kernels.dequant_ggml(blocks.numpy(), kind, torch.float32))
             for M in range(1, 17):
                 x = torch.randn(M, K, generator=g)
                 qx, dx, sx = cpu_kernels.quantize_rows_q8(x)
@@ -70,6 +77,11 @@ def check_kernels(shapes=((37, 96), (64, 576))) -> dict:
                 rel = rel_to_terms(cpu_kernels.quant_linear(x, blocks, kind, N), terms)
                 worst = max(worst, rel)
                 assert rel < 1e-6, (kind, N, K, M, rel)
+                if x8 is not None:
+                    assert torch.equal(cpu_kernels.quant_x8_block_dots(qx, x8, kind, N).long(), dots), (kind, M)
+                    rel = rel_to_terms(cpu_kernels.quant_linear(x, x8, kind, N, x8=True), terms)
+                    worst = max(worst, rel)
+                    assert rel < 1e-6, ("x8", kind, N, K, M, rel)
     return {"isa": cpu_kernels.isa(), "worst": worst}
 
 
@@ -81,6 +93,13 @@ def test_kernels_on_this_path():
 def test_kernels_on_narrower_paths(isa):
     """The generic and AVX2 builds, on this CPU (LANE_CPU_ISA caps the build)."""
     check_kernels_on("test_quant_linear", isa)
+
+
+@pytest.mark.skipif(not (platform.native_cpu_isa() == "avx512" and "avx512_vnni" in platform.cpu_flags()),
+                    reason="no AVX-512 VNNI here: the x8 kernel's maddubs path is this CPU's own")
+def test_x8_maddubs_path_on_a_vnni_cpu():
+    """An AVX-512 build on a VNNI CPU runs the x8 dots with dpbusd; LANE_CPU_VNNI=0 takes maddubs."""
+    check_kernels_on("test_quant_linear", "avx512", LANE_CPU_VNNI="0")
 
 
 def perplexity(llm, ids: list[int], chunk: int = 16) -> float:

@@ -71,6 +71,12 @@ class ForwardProfile:
         self.detail = []
         self.start = self.last = time.monotonic()
 
+    def add(self, step: int, seconds: float) -> None:
+        """Time measured elsewhere (the fused decode kernel's pieces) into a step's sum; the
+        next mark counts from now."""
+        self.acc[step] = self.acc.get(step, 0.0) + seconds
+        self.last = time.monotonic()
+
     def mark(self, step: int, **attrs) -> None:
         """``attrs`` describe this layer's piece (e.g. its layer type): per-layer spans
         carry them; summed spans list every value seen."""

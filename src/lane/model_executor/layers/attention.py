@@ -129,14 +129,21 @@ class Attention(CacheLayer):
         md: PagedAttentionMetadata = self.attn_metadata("k_cache")
         kc, vc = self.k_cache, self.v_cache
         if kc.numel():  # step 24: K/V into their slots
-            bs = kc.shape[2]
-            blk, off = md.slot_mapping // bs, md.slot_mapping % bs
-            kc[blk, :, off] = k
-            vc[blk, :, off] = v
+            if cpu_kernels.usable(k) and k.dtype == kc.dtype:
+                cpu_kernels.cache_write(k, v, kc, vc, md.slot_mapping)
+            else:
+                bs = kc.shape[2]
+                blk, off = md.slot_mapping // bs, md.slot_mapping % bs
+                kc[blk, :, off] = k
+                vc[blk, :, off] = v
         mark = tracing.forward_mark()
         mark(Step.OPS_KV_WRITE)
-        out = torch.empty_like(q)
         nd = md.num_decodes
+        if nd == q.shape[0] and cpu_kernels.usable(q):  # decodes only: no output copy
+            out = cpu_kernels.decode_attention(q, kc, vc, md.decode_block_tables, md.decode_context_lens, self.scale)
+            mark(Step.OPS_ATTENTION)
+            return out.view(q.shape[0], -1)
+        out = torch.empty_like(q)
         if nd:
             args = (q[:nd], kc, vc, md.decode_block_tables, md.decode_context_lens, self.scale)
             out[:nd] = (cpu_kernels.decode_attention(*args) if cpu_kernels.usable(q)

@@ -39,7 +39,8 @@ logger = logging.getLogger(__name__)
 
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 _SOURCES = ("paged_attention.cpp", "prefill_attention.cpp", "gemv.cpp", "elementwise.cpp", "dequant.cpp",
-            "quant_linear.cpp", "kquant.cpp", "int8_linear.cpp", "threads.cpp", "module.cpp")
+            "quant_linear.cpp", "quant_x8.cpp", "kquant.cpp", "int8_linear.cpp", "decode_layers.cpp", "threads.cpp",
+            "module.cpp")
 # round as the numpy reference does
 _SOURCE_CFLAGS = {"dequant.cpp": ["-ffp-contract=off"], "kquant.cpp": ["-ffp-contract=off"]}
 _HEADERS = ("common.h", "kquant_avx512.inc")
@@ -214,6 +215,17 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
     return out
 
 
+def cache_write(k, v, k_cache, v_cache, slot_mapping):
+    """k, v [T, KVH, D] (heads contiguous, rows may be strided) into their slots of the caches
+    [blocks, KVH, block_size, D] (of k's dtype); slot_mapping [T] int64: block * block_size + offset."""
+    T, KVH, D = k.shape
+    if k.stride(2) != 1 or k.stride(1) != D or v.stride(2) != 1 or v.stride(1) != D:
+        k, v = k.contiguous(), v.contiguous()
+    slots = _as(slot_mapping, torch.int64)
+    _lib.lane_cache_write(k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                          slots.data_ptr(), _DTYPE_CODES[k.dtype], T, KVH, D, k_cache.shape[2])
+
+
 def prefill_attention(q, k_cache, v_cache, block_ids, num_computed, scale):
     """One request's chunk: q [n, H, D] at positions num_computed .. num_computed + n - 1,
     caches [blocks, KVH, block_size, D] already holding the chunk's K/V, block_ids [>= blocks
@@ -336,24 +348,61 @@ def quant_block_dots(qx: torch.Tensor, blocks: torch.Tensor, kind: str, N: int) 
     return dots
 
 
-def quant_linear(x: torch.Tensor, blocks: torch.Tensor, kind: str, N: int, bias: torch.Tensor | None = None
-                 ) -> torch.Tensor:
+X8_KINDS = ("Q4_0", "Q4_1", "Q8_0")  # kinds with a repacked layout: 8 rows interleaved (quant_x8.cpp)
+
+
+def repack_x8(blocks: torch.Tensor, kind: str, N: int) -> torch.Tensor | None:
+    """GGUF blocks [N, row bytes] of a kind in X8_KINDS -> the same bytes with each group of 8 rows
+    interleaved, which quant_linear(..., x8=True) runs; None where N is not a multiple of 8 (or
+    another kind)."""
+    if kind not in X8_KINDS or N % 8 or _lib is None:
+        return None
+    blocks = blocks.contiguous()
+    out = torch.empty_like(blocks)
+    K = blocks.shape[1] // GGML_KINDS[kind][2] * 32
+    _lib.lane_repack_x8(blocks.data_ptr(), GGML_KINDS[kind][0], out.data_ptr(), N, K)
+    return out
+
+
+def dequant_x8(packed: torch.Tensor, kind: str, N: int, K: int, dtype: torch.dtype,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """repack_x8's layout -> the weight [N, K] as dtype, as dequant_ggml rounds it (into ``out``)."""
+    if out is None:
+        out = torch.empty(N * K, dtype=dtype)
+    _lib.lane_dequant_ggml_x8(packed.data_ptr(), GGML_KINDS[kind][0], N, K, out.data_ptr(), _DTYPE_CODES[dtype],
+                              torch.get_num_threads())
+    return out.view(N, K)
+
+
+def dequant_x8_rows(packed: torch.Tensor, kind: str, ids: torch.Tensor, K: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``ids`` of repack_x8's layout as dtype [len(ids), K] (an embedding's lookup)."""
+    ids = _as(ids.reshape(-1), torch.int64)
+    out = torch.empty(ids.numel(), K, dtype=dtype)
+    _lib.lane_dequant_x8_rows(packed.data_ptr(), GGML_KINDS[kind][0], ids.data_ptr(), ids.numel(), K,
+                              out.data_ptr(), _DTYPE_CODES[dtype])
+    return out
+
+
+def quant_x8_block_dots(qx: torch.Tensor, packed: torch.Tensor, kind: str, N: int) -> torch.Tensor:
+    """As quant_block_dots, from repack_x8's layout as its kernel computes them: [M, N, K / 32]."""
+    M, K = qx.shape
+    dots = torch.empty(M, N, K // 32, dtype=torch.int32)
+    _lib.lane_quant_x8_block_dots(qx.data_ptr(), packed.data_ptr(), GGML_KINDS[kind][0], dots.data_ptr(), M, N, K)
+    return dots
+
+
+def quant_linear(x: torch.Tensor, blocks: torch.Tensor, kind: str, N: int, bias: torch.Tensor | None = None,
+                 x8: bool = False) -> torch.Tensor:
     """x [M, K] @ W^T with W [N, K] as GGUF blocks of kind (uint8 [N, K / block values * block
-    bytes]) -> [M, N] in x's dtype. x is quantized to 8-bit blocks once per call (Q8_K for
-    the K-quants)."""
+    bytes]; with ``x8``, in repack_x8's layout) -> [M, N] in x's dtype. The kernel quantizes x
+    to 8-bit blocks once per call (Q8_K for the K-quants)."""
+    x = x.contiguous()
     M, K = x.shape
     y = torch.empty(M, N, dtype=x.dtype)
-    b = _bias_f32(bias)
-    bp = None if b is None else b.data_ptr()
-    code, threads = GGML_KINDS[kind][0], torch.get_num_threads()
-    if kind in K_KINDS:
-        q, d, bsum = quantize_rows_q8k(x)
-        _lib.lane_kquant_linear(q.data_ptr(), d.data_ptr(), bsum.data_ptr(), blocks.data_ptr(), code, bp,
-                                y.data_ptr(), _DTYPE_CODES[x.dtype], M, N, K, threads)
-        return y
-    q, d, s = quantize_rows_q8(x)
-    _lib.lane_quant_linear(q.data_ptr(), d.data_ptr(), s.data_ptr(), blocks.data_ptr(), code, bp, y.data_ptr(),
-                           _DTYPE_CODES[x.dtype], M, N, K, threads)
+    fn = _lib.lane_quant_x8_linear if x8 else _lib.lane_kquant_linear if kind in K_KINDS else _lib.lane_quant_linear
+    dt, b = _DTYPE_CODES[x.dtype], _bias_f32(bias)
+    fn(x.data_ptr(), dt, blocks.data_ptr(), GGML_KINDS[kind][0], None if b is None else b.data_ptr(),
+       y.data_ptr(), dt, M, N, K, torch.get_num_threads())
     return y
 
 

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from lane import platform
 from lane.model_executor.layers import cpu_kernels
+from lane.model_executor.layers.vocab_embedding import VocabEmbedding
 
 SMALL_M = 2
 UPCAST_ROWS = 32
@@ -44,13 +45,17 @@ def quant_rows(dtype: torch.dtype) -> int:
     return 16 if dtype != torch.float32 and fast_cpu_gemm(dtype) else 32
 
 
-def dequantized(blocks: torch.Tensor, kind: str, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+def dequantized(blocks: torch.Tensor, kind: str, shape: tuple[int, int], dtype: torch.dtype,
+                x8: bool = False) -> torch.Tensor:
     """The weight as ``dtype`` in a scratch buffer that the next call overwrites: one
-    buffer for the whole model, so prefill allocates (and page-faults) nothing per layer."""
+    buffer for the whole model, so prefill allocates (and page-faults) nothing per layer.
+    ``x8``: the blocks are in cpu_kernels.repack_x8's layout."""
     n = shape[0] * shape[1]
     buf = _scratch.get(dtype)
     if buf is None or buf.numel() < n:
         buf = _scratch[dtype] = torch.empty(n, dtype=dtype)
+    if x8:
+        return cpu_kernels.dequant_x8(blocks, kind, shape[0], shape[1], dtype, out=buf[:n])
     return cpu_kernels.dequant_ggml(blocks.numpy(), kind, dtype, out=buf[:n]).view(shape)
 
 
@@ -72,6 +77,7 @@ class Linear(nn.Linear):
     weight_scale: torch.Tensor | None = None  # int8: fp32 [out_features]
     weight_sums: torch.Tensor | None = None  # w8a8: int32 [out_features], the VNNI offset's correction
     dense_dtype: torch.dtype | None = None  # the weight's dtype, for a GGUF layer that goes dense after all
+    qx8 = False  # qweight's Q4 blocks repacked 8 rows interleaved (cpu_kernels.repack_x8) at prepack
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
                  quantizable: bool | None = None) -> None:
@@ -128,7 +134,13 @@ class Linear(nn.Linear):
             self.weight[row_offset:row_offset + blocks.shape[0]] = w
 
     def prepack(self) -> bool:
-        """Pack the weight for oneDNN; only bf16 on a CPU whose oneDNN runs bf16 benefits."""
+        """Repack GGUF blocks 8 rows interleaved (cpu_kernels.repack_x8), or pack the dense weight
+        for oneDNN (only bf16 on a CPU whose oneDNN runs bf16 benefits)."""
+        if self.qweight is not None:
+            packed = None if self.qx8 else cpu_kernels.repack_x8(self.qweight, self.qkind, self.out_features)
+            if packed is not None:
+                self.qweight, self.qx8 = packed, True
+            return packed is not None
         w = self.weight
         if w is None or (w.device.type != "cpu" or w.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available()
                 or not fast_cpu_gemm(torch.bfloat16)):
@@ -152,10 +164,10 @@ class Linear(nn.Linear):
             raise RuntimeError("GGUF blocks need the CPU kernels (LANE_CPU_KERNELS=0 or a failed build); "
                                "load with --quantization none")
         elif x2.shape[0] <= quant_rows(x.dtype):
-            y = cpu_kernels.quant_linear(x2, self.qweight, self.qkind, self.out_features, self.bias)
+            y = cpu_kernels.quant_linear(x2, self.qweight, self.qkind, self.out_features, self.bias, self.qx8)
         else:
-            y = linear(x2, dequantized(self.qweight, self.qkind, (self.out_features, self.in_features), x.dtype),
-                       self.bias)
+            y = linear(x2, dequantized(self.qweight, self.qkind, (self.out_features, self.in_features), x.dtype,
+                                       self.qx8), self.bias)
         return y.view(*lead, self.out_features)
 
 
@@ -182,5 +194,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def prepack_linears(model: nn.Module) -> int:
-    """Pack every Linear of a loaded model; returns how many were packed."""
-    return sum(m.prepack() for m in model.modules() if isinstance(m, Linear))
+    """Pack every Linear of a loaded model; returns how many were packed. Blocks a tied
+    embedding reads too are repacked once, for both; blocks another kind of module reads stay."""
+    holders: dict[int, list[nn.Module]] = {}
+    for m in model.modules():
+        if not isinstance(m, Linear) and hasattr(m, "quantized_tensors"):
+            for t in m.quantized_tensors():
+                if t is not None:
+                    holders.setdefault(t.data_ptr(), []).append(m)
+    packed = 0
+    for m in model.modules():
+        if not isinstance(m, Linear):
+            continue
+        others = holders.get(m.qweight.data_ptr(), []) if m.qweight is not None else []
+        if not all(isinstance(o, VocabEmbedding) for o in others) or not m.prepack():
+            continue
+        packed += 1
+        for o in others:  # the tied embedding looks its rows up in the repacked blocks
+            o.qweight, o.qx8 = m.qweight, True
+    return packed

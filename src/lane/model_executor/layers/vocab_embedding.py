@@ -14,6 +14,7 @@ class VocabEmbedding(nn.Embedding):
     qweight: torch.Tensor | None = None  # uint8 [vocab, row bytes]
     qkind: str | None = None
     out_dtype: torch.dtype | None = None  # what lookups of quantized rows return
+    qx8 = False  # the blocks are a tied LM head's, repacked 8 rows interleaved (cpu_kernels.repack_x8)
 
     def load_quantized(self, kind: str, blocks: torch.Tensor) -> None:
         self.out_dtype = self.weight.dtype
@@ -26,6 +27,9 @@ class VocabEmbedding(nn.Embedding):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.qweight is None:
             return F.embedding(input_ids, self.weight)
+        if self.qx8:
+            out = cpu_kernels.dequant_x8_rows(self.qweight, self.qkind, input_ids, self.embedding_dim, self.out_dtype)
+            return out.view(*input_ids.shape, self.embedding_dim)
         rows = self.qweight.index_select(0, input_ids.reshape(-1))
         out = cpu_kernels.dequant_ggml(rows.numpy(), self.qkind, self.out_dtype)
         return out.view(*input_ids.shape, self.embedding_dim)

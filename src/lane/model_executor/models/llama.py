@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 from lane import platform, tracing
+from lane.attention.metadata import get_forward_context
 from lane.tracing import Step
 from lane.model_executor.layers.activation import silu_and_mul
 from lane.model_executor.layers.layernorm import RMSNorm
@@ -20,6 +21,7 @@ from lane.model_executor.layers.linear import Linear
 from lane.model_executor.layers.vocab_embedding import VocabEmbedding
 from lane.model_executor.loader.gguf_loader import GGMLBlocks
 from lane.model_executor.layers.rotary_embedding import RotaryEmbedding
+from lane.model_executor.models.llama_decode import FusedDecode
 
 
 class LlamaMLP(nn.Module):
@@ -100,6 +102,7 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     layer_cls = LlamaDecoderLayer
+    _fused: FusedDecode | None | bool = False  # False: not planned yet
 
     def __init__(self, config, max_position: int) -> None:
         super().__init__()
@@ -110,13 +113,27 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(self.layer_cls(config, rotary) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
+    def _fused_decode(self, x: torch.Tensor) -> FusedDecode | None:
+        """The fused decode plan, made on the first forward after the caches are bound (and
+        again if they are rebound); None where this model or CPU cannot take it."""
+        if self._fused is False or (self._fused is not None and not self._fused.current(self)):
+            if not FusedDecode.ready(self):
+                return None
+            self._fused = FusedDecode.build(self, x.dtype)
+        return self._fused
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         tracing.forward_mark()(Step.OPS_INPUT_NORM)
-        rope = self.rotary.prepare(positions, x.dtype)
-        residual = None
-        for layer in self.layers:
-            x, residual = layer(rope, x, residual)
+        md = get_forward_context().attn_metadata
+        fused = self._fused_decode(x)
+        if fused is not None and fused.applies(x, md):  # a step of decodes: one kernel call
+            x, residual = fused(x, positions, md[0])
+        else:
+            rope = self.rotary.prepare(positions, x.dtype)
+            residual = None
+            for layer in self.layers:
+                x, residual = layer(rope, x, residual)
         x, _ = self.norm(x, residual)
         tracing.forward_mark()(Step.MODEL_LM_HEAD)
         return x

@@ -5,6 +5,7 @@
 #include <omp.h>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace lane {
 
@@ -116,6 +117,39 @@ inline float quantize_block_q8(const T* x, int n, int8_t* q) {
   const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
   for (int i = 0; i < n; ++i) q[i] = static_cast<int8_t>(__builtin_rintf(to_f(x[i]) * inv));
   return d;
+}
+
+// Q4_0 / Q4_1 / Q8_0 weights repacked at load, 8 rows interleaved ("x8", quant_x8.cpp): for
+// each group of 8 rows and each block, the 8 fp16 scales, (Q4_1) the 8 fp16 minimums, then
+// chunks of 32 bytes, chunk c holding bytes 4c..4c+3 of every row's quants (4 chunks for Q4,
+// whose byte i holds value i in its low nibble and value i + 16 in its high one; 8 for Q8_0).
+// The same bytes as the GGUF rows.
+constexpr int kX8Rows = 8;
+inline int64_t x8_quant_offset(int qtype) { return qtype == kQ4_1 ? 32 : 16; }
+inline int x8_chunks(int qtype) { return qtype == kQ8_0 ? 8 : 4; }
+
+// one row's GGUF block out of a group's packed block (gb), or into it (to_packed)
+inline void x8_block(uint8_t* gb, int qtype, int r, uint8_t* blk, bool to_packed) {
+  const int64_t qo = x8_quant_offset(qtype), bq = qtype == kQ4_1 ? 4 : 2;
+  auto move = [&](uint8_t* packed, uint8_t* plain, int n) {
+    if (to_packed) std::memcpy(packed, plain, n); else std::memcpy(plain, packed, n);
+  };
+  move(gb + 2 * r, blk, 2);
+  if (qtype == kQ4_1) move(gb + 16 + 2 * r, blk + 2, 2);
+  for (int c = 0; c < x8_chunks(qtype); ++c) move(gb + qo + 32 * c + 4 * r, blk + bq + 4 * c, 4);
+}
+
+// Input rows as 8-bit blocks of 32 for the integer kernels (quant_linear.cpp): q [M, K], d
+// [M, K/32] (max|x| / 127), s = d * sum(q) and (isum non-null) the sums themselves
+void quantize_rows_q8(const void* x, int x_dtype, int8_t* q, float* d, float* s, int32_t* isum, int64_t M,
+                      int64_t K);
+
+// A per-thread buffer that grows as needed and is reused call to call (no allocation per call)
+template <typename T, int Tag>
+inline T* scratch(int64_t n) {
+  static thread_local std::vector<T> buf;
+  if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
+  return buf.data();
 }
 
 // Split [0, n) into one contiguous range per thread, as at::parallel_for does; inline

@@ -43,3 +43,34 @@ extern "C" void lane_dequant_ggml(const void* src, int qtype, int64_t nblocks, v
     dequant_blocks<T>(static_cast<const uint8_t*>(src), qtype, b0, b1, static_cast<T*>(dst));
   }));
 }
+
+namespace {
+
+// row n of x8-layout weights [N, K] -> dst [K]
+template <typename T>
+void dequant_x8_row(const uint8_t* src, int qtype, int64_t n, int64_t K, T* dst) {
+  const int64_t nb = K / 32, gb = kX8Rows * ggml_block_bytes(qtype), g = n / kX8Rows;
+  uint8_t blk[34];
+  for (int64_t b = 0; b < nb; ++b) {
+    x8_block(const_cast<uint8_t*>(src) + (g * nb + b) * gb, qtype, static_cast<int>(n % kX8Rows), blk, false);
+    dequant_blocks<T>(blk, qtype, 0, 1, dst + b * 32);
+  }
+}
+
+}  // namespace
+
+// src: weights [N, K] in the x8 layout (common.h) -> dst [N, K] (dtype), rounded as above
+extern "C" void lane_dequant_ggml_x8(const void* src, int qtype, int64_t N, int64_t K, void* dst, int dtype,
+                                     int threads) {
+  LANE_DISPATCH(dtype, T, parallel_for(N, 64, threads, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      dequant_x8_row<T>(static_cast<const uint8_t*>(src), qtype, n, K, static_cast<T*>(dst) + n * K);
+  }));
+}
+
+// rows ids [n] of x8-layout weights [N, K] -> dst [n, K] (an embedding's lookup)
+extern "C" void lane_dequant_x8_rows(const void* src, int qtype, const int64_t* ids, int64_t n, int64_t K, void* dst,
+                                     int dtype) {
+  LANE_DISPATCH(dtype, T, for (int64_t i = 0; i < n; ++i) dequant_x8_row<T>(
+      static_cast<const uint8_t*>(src), qtype, ids[i], K, static_cast<T*>(dst) + i * K));
+}

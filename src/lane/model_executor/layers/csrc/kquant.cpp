@@ -376,14 +376,17 @@ extern "C" void lane_kquant_sub_dots(const int8_t* qx, const void* w, int kind, 
   });
 }
 
-// y [M, N] (y_dtype) = x [M, K] (as Q8_K: qx, dx, bsum) . W^T, W [N, K] in K-quant super-blocks (+ bias fp32)
-extern "C" void lane_kquant_linear(const int8_t* qx, const float* dx, const int16_t* bsum, const void* w, int kind,
-                                   const float* bias, void* y, int y_dtype, int64_t M, int64_t N, int64_t K,
-                                   int threads) {
-  std::vector<float> yf(M * N);
+// y [M, N] (y_dtype) = x [M, K] (x_dtype, quantized to Q8_K here) . W^T, W [N, K] in K-quant super-blocks (+ bias fp32)
+extern "C" void lane_kquant_linear(const void* x, int x_dtype, const void* w, int kind, const float* bias, void* y,
+                                   int y_dtype, int64_t M, int64_t N, int64_t K, int threads) {
+  int8_t* qx = scratch<int8_t, 1>(M * K);  // x as Q8_K, once per call, in per-thread buffers
+  float* dx = scratch<float, 2>(M * (K / QK));
+  int16_t* bsum = scratch<int16_t, 0>(M * (K / 16));
+  lane_quantize_rows_q8k(x, x_dtype, qx, dx, bsum, M, K);
+  float* yf = scratch<float, 3>(M * N);
   const uint8_t* wp = static_cast<const uint8_t*>(w);
   LANE_KQ_DISPATCH(kind, parallel_for(N, 16, threads, [&](int64_t n0, int64_t n1) {
-    linear_rows<KIND>(wp, qx, dx, bsum, yf.data(), M, N, K, n0, n1);
+    linear_rows<KIND>(wp, qx, dx, bsum, yf, M, N, K, n0, n1);
   }));
   LANE_DISPATCH(y_dtype, T, {
     T* yp = static_cast<T*>(y);

@@ -13,6 +13,10 @@ void lane_paged_decode_attention(const void*, const void*, const void*, int, con
                                  int64_t, float, int);
 void lane_paged_prefill_attention(const void*, const void*, const void*, int, const int64_t*, int64_t, void*,
                                   int64_t, int64_t, int64_t, int64_t, int64_t, float, int);
+void lane_cache_write(const void*, const void*, int64_t, int64_t, void*, void*, const int64_t*, int, int64_t, int64_t,
+                      int64_t, int64_t);
+void lane_llama_decode_layers(const int64_t*, const int64_t*, void*, void*, int, const int64_t*, const int64_t*,
+                              const int64_t*, const int32_t*, int64_t, int64_t, float, float, double*, int);
 void lane_small_m_linear(const void*, int, const void*, int, const void*, void*, int64_t, int64_t,
                          int64_t, int);
 void lane_rms_norm_(void*, void*, const void*, int, int64_t, int64_t, float, int);
@@ -23,8 +27,13 @@ void lane_sinkhorn_(float*, int64_t, int64_t, int64_t, float, int);
 void lane_dequant_ggml(const void*, int, int64_t, void*, int, int);
 void lane_quantize_rows_q8(const void*, int, int8_t*, float*, float*, int64_t, int64_t);
 void lane_quant_block_dots(const int8_t*, const void*, int, int32_t*, int64_t, int64_t, int64_t);
-void lane_quant_linear(const int8_t*, const float*, const float*, const void*, int, const float*, void*, int,
-                       int64_t, int64_t, int64_t, int);
+void lane_quant_linear(const void*, int, const void*, int, const float*, void*, int, int64_t, int64_t, int64_t, int);
+void lane_repack_x8(const uint8_t*, int, uint8_t*, int64_t, int64_t);
+void lane_quant_x8_block_dots(const int8_t*, const uint8_t*, int, int32_t*, int64_t, int64_t, int64_t);
+void lane_quant_x8_linear(const void*, int, const uint8_t*, int, const float*, void*, int, int64_t, int64_t, int64_t,
+                          int);
+void lane_dequant_ggml_x8(const void*, int, int64_t, int64_t, void*, int, int);
+void lane_dequant_x8_rows(const void*, int, const int64_t*, int64_t, int64_t, void*, int);
 void lane_quantize_per_token_int8(const void*, int, int8_t*, float*, int64_t, int64_t, int);
 void lane_int8_scale(const int32_t*, const float*, const float*, const float*, void*, int, int64_t, int64_t, int);
 void lane_int8_w8a8(const int8_t*, const float*, const int8_t*, const float*, const int32_t*, const float*,
@@ -36,8 +45,7 @@ void lane_bind_threads(const int32_t*, int, int32_t*);
 void lane_dequant_kquant(const void*, int, int64_t, void*, int, int);
 void lane_quantize_rows_q8k(const void*, int, int8_t*, float*, int16_t*, int64_t, int64_t);
 void lane_kquant_sub_dots(const int8_t*, const void*, int, int32_t*, int64_t, int64_t, int64_t);
-void lane_kquant_linear(const int8_t*, const float*, const int16_t*, const void*, int, const float*, void*, int,
-                        int64_t, int64_t, int64_t, int);
+void lane_kquant_linear(const void*, int, const void*, int, const float*, void*, int, int64_t, int64_t, int64_t, int);
 }
 
 namespace {
@@ -74,13 +82,14 @@ PyObject* wrap(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 
 #define LANE_DEF(name) {#name, reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(wrap<name>)), METH_FASTCALL, nullptr}
 PyMethodDef methods[] = {
-    LANE_DEF(lane_paged_decode_attention), LANE_DEF(lane_paged_prefill_attention), LANE_DEF(lane_small_m_linear), LANE_DEF(lane_rms_norm_),
+    LANE_DEF(lane_paged_decode_attention), LANE_DEF(lane_paged_prefill_attention), LANE_DEF(lane_cache_write), LANE_DEF(lane_llama_decode_layers), LANE_DEF(lane_small_m_linear), LANE_DEF(lane_rms_norm_),
     LANE_DEF(lane_rotary_), LANE_DEF(lane_silu_and_mul), LANE_DEF(lane_sinkhorn_),
     LANE_DEF(lane_dequant_ggml), LANE_DEF(lane_quantize_rows_q8), LANE_DEF(lane_quant_block_dots),
     LANE_DEF(lane_quant_linear), LANE_DEF(lane_quantize_per_token_int8), LANE_DEF(lane_int8_scale),
     LANE_DEF(lane_int8_w8a8), LANE_DEF(lane_int8_w8a16), LANE_DEF(lane_int8_dequant), LANE_DEF(lane_bind_threads),
     LANE_DEF(lane_dequant_kquant), LANE_DEF(lane_quantize_rows_q8k),
-    LANE_DEF(lane_kquant_sub_dots), LANE_DEF(lane_kquant_linear),
+    LANE_DEF(lane_kquant_sub_dots), LANE_DEF(lane_kquant_linear), LANE_DEF(lane_repack_x8),
+    LANE_DEF(lane_quant_x8_block_dots), LANE_DEF(lane_quant_x8_linear), LANE_DEF(lane_dequant_ggml_x8), LANE_DEF(lane_dequant_x8_rows),
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "lane_kernels", "lane's CPU kernels", -1, methods};

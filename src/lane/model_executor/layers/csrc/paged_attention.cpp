@@ -332,3 +332,20 @@ extern "C" void lane_paged_decode_attention(const void* q, const void* k_cache, 
                                 static_cast<const T*>(v_cache), block_tables, context_lens,
                                 static_cast<T*>(out), B, H, KVH, D, BS, MB, scale, threads));
 }
+
+// Step 24: T tokens' K and V rows ([T, KVH, D], heads contiguous, row strides in elements)
+// into their cache slots (slot = block * BS + offset; caches [blocks, KVH, BS, D], of the
+// rows' dtype): what torch's index_put does in two calls, without its index arithmetic.
+extern "C" void lane_cache_write(const void* k, const void* v, int64_t k_stride, int64_t v_stride, void* k_cache,
+                                 void* v_cache, const int64_t* slots, int dtype, int64_t T, int64_t KVH, int64_t D,
+                                 int64_t BS) {
+  const int64_t es = dtype == kF32 ? 4 : 2, row = D * es;
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t blk = slots[t] / BS, off = slots[t] % BS;
+    for (int64_t h = 0; h < KVH; ++h) {
+      const int64_t dst = ((blk * KVH + h) * BS + off) * row;
+      std::memcpy(static_cast<char*>(k_cache) + dst, static_cast<const char*>(k) + (t * k_stride + h * D) * es, row);
+      std::memcpy(static_cast<char*>(v_cache) + dst, static_cast<const char*>(v) + (t * v_stride + h * D) * es, row);
+    }
+  }
+}

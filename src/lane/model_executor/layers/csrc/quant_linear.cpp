@@ -49,9 +49,8 @@ inline int32_t dot32(const int8_t* a, const int8_t* b) {
 
 }  // namespace
 
-// x rows as 8-bit blocks: q [M, K] int8, d [M, K/32], s [M, K/32] (d * sum q)
-extern "C" void lane_quantize_rows_q8(const void* x, int x_dtype, int8_t* q, float* d, float* s, int64_t M,
-                                      int64_t K) {
+void lane::quantize_rows_q8(const void* x, int x_dtype, int8_t* q, float* d, float* s, int32_t* isum, int64_t M,
+                            int64_t K) {
   const int64_t nb = K / kBlock;
   LANE_DISPATCH(x_dtype, T, {
     const T* xp = static_cast<const T*>(x);
@@ -63,8 +62,15 @@ extern "C" void lane_quantize_rows_q8(const void* x, int x_dtype, int8_t* q, flo
         for (int i = 0; i < kBlock; ++i) sum += qb[i];
         d[m * nb + b] = scale;
         s[m * nb + b] = scale * static_cast<float>(sum);
+        if (isum) isum[m * nb + b] = sum;
       }
   });
+}
+
+// x rows as 8-bit blocks: q [M, K] int8, d [M, K/32], s [M, K/32] (d * sum q)
+extern "C" void lane_quantize_rows_q8(const void* x, int x_dtype, int8_t* q, float* d, float* s, int64_t M,
+                                      int64_t K) {
+  quantize_rows_q8(x, x_dtype, q, d, s, nullptr, M, K);
 }
 
 // The int32 dot products of every (row, weight row, block): dots [M, N, K/32] (for tests).
@@ -188,12 +194,16 @@ constexpr RowsFn kRows[9] = {nullptr, rows_simd<1, Tiled>, rows_simd<2, Tiled>, 
 }  // namespace
 #endif
 
-// y [M, N] (y_dtype) = x [M, K] (quantized: qx, dx, sx) . W^T, W [N, K] in GGUF blocks (+ bias fp32)
-extern "C" void lane_quant_linear(const int8_t* qx, const float* dx, const float* sx, const void* w, int qtype,
-                                  const float* bias, void* y, int y_dtype, int64_t M, int64_t N, int64_t K,
-                                  int threads) {
+// y [M, N] (y_dtype) = x [M, K] (x_dtype) . W^T, W [N, K] in GGUF blocks (+ bias fp32); x is
+// quantized to 8-bit blocks here, once per call, into per-thread buffers
+extern "C" void lane_quant_linear(const void* x, int x_dtype, const void* w, int qtype, const float* bias, void* y,
+                                  int y_dtype, int64_t M, int64_t N, int64_t K, int threads) {
   const int64_t nb = K / kBlock, bb = ggml_block_bytes(qtype), row = nb * bb;
-  std::vector<float> yf(M * N);
+  int8_t* qx = scratch<int8_t, 0>(M * K);
+  float* dx = scratch<float, 0>(2 * M * nb);
+  float* sx = dx + M * nb;
+  quantize_rows_q8(x, x_dtype, qx, dx, sx, nullptr, M, K);
+  float* yf = scratch<float, 1>(M * N);
   const uint8_t* wp = static_cast<const uint8_t*>(w);
   // Rows go in balanced passes of at most 8 (M = 12: 6 + 6) over each tile of unpacked weight
   // rows, so a step's cost grows smoothly with M.
@@ -202,7 +212,7 @@ extern "C" void lane_quant_linear(const int8_t* qx, const float* dx, const float
 #if defined(__AVX2__)
     if (passes == 1) {  // one pass: unpacking in registers beats a round trip through the tile
       for (int64_t t0 = n0; t0 < n1; t0 += kTile)
-        kRows<false>[M](nullptr, wp, qtype, qx, dx, sx, yf.data(), N, K, t0, t0 + kTile < n1 ? t0 + kTile : n1);
+        kRows<false>[M](nullptr, wp, qtype, qx, dx, sx, yf, N, K, t0, t0 + kTile < n1 ? t0 + kTile : n1);
       return;
     }
     Tile tile(nb);
@@ -211,7 +221,7 @@ extern "C" void lane_quant_linear(const int8_t* qx, const float* dx, const float
       unpack_tile(wp, qtype, nb, t0, t1, tile);
       for (int64_t p = 0, m = 0; p < passes; ++p) {
         const int64_t r = M / passes + (p < M % passes);
-        kRows<true>[r](&tile, wp, qtype, qx + m * K, dx + m * nb, sx + m * nb, yf.data() + m * N, N, K, t0, t1);
+        kRows<true>[r](&tile, wp, qtype, qx + m * K, dx + m * nb, sx + m * nb, yf + m * N, N, K, t0, t1);
         m += r;
       }
     }

@@ -1,0 +1,140 @@
+// The Llama family's decoder layers for a step of decode rows (one token each), all layers
+// in one call: the module path pays Python's dispatch for some 20 small ops a layer, which at
+// batch 1 costs as much as the layer's arithmetic. The same kernels run, in the same order:
+//   x, residual = rmsnorm(x + residual); qkv = x Wqkv; rope(q, k); k, v -> cache slots;
+//   a = paged attention(q); x = a Wo; x, residual = rmsnorm(x + residual);
+//   x = (silu(x Wg) * x Wu) Wd
+// Layer 0 takes the embeddings with no residual yet (residual = x, then x = rmsnorm(x)).
+// cpu_kernels.py / llama_decode.py build the plan: int64 records of pointers and sizes.
+#include "common.h"
+
+#include <omp.h>
+
+extern "C" {
+void lane_rms_norm_(void*, void*, const void*, int, int64_t, int64_t, float, int);
+void lane_rotary_(void*, int, int64_t, int64_t, int64_t, int64_t, const int64_t*, const float*, const float*, int64_t,
+                  int);
+void lane_silu_and_mul(const void*, void*, int, int64_t, int64_t, int);
+void lane_paged_decode_attention(const void*, const void*, const void*, int, const int64_t*, const int32_t*, void*,
+                                 int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, int);
+void lane_cache_write(const void*, const void*, int64_t, int64_t, void*, void*, const int64_t*, int, int64_t, int64_t,
+                      int64_t, int64_t);
+void lane_small_m_linear(const void*, int, const void*, int, const void*, void*, int64_t, int64_t, int64_t, int);
+void lane_quant_linear(const void*, int, const void*, int, const float*, void*, int, int64_t, int64_t, int64_t, int);
+void lane_quant_x8_linear(const void*, int, const uint8_t*, int, const float*, void*, int, int64_t, int64_t, int64_t,
+                          int);
+void lane_kquant_linear(const void*, int, const void*, int, const float*, void*, int, int64_t, int64_t, int64_t, int);
+}
+
+namespace {
+
+using namespace lane;
+
+// A linear layer's record: format, weight, the weight's dtype or GGUF kind code, bias (the
+// weight's dtype for dense, fp32 for blocks; 0: none), N, K
+enum Format : int64_t { kDense = 0, kBlocks = 1, kX8 = 2, kKQuant = 3 };
+struct LinearRec {
+  int64_t format, w, code, bias, N, K;
+};
+// A layer's record: the two norms' weights, the four linears, the K and V caches
+struct LayerRec {
+  int64_t in_norm, post_norm;
+  LinearRec qkv, o, gate_up, down;
+  int64_t k_cache, v_cache;
+};
+// The model's: layers, hidden, heads, kv heads, head dim, intermediate, rotary dim, block
+// size, rope cos / sin tables (fp32 [max_pos, rotary dim])
+struct ModelRec {
+  int64_t layers, hidden, heads, kv_heads, head_dim, inter, rotary_dim, block_size, cos, sin;
+};
+
+template <typename P>
+inline P* ptr(int64_t v) {
+  return reinterpret_cast<P*>(v);
+}
+
+void linear(const LinearRec& l, const void* x, int dtype, void* y, int64_t M, int threads) {
+  const void* w = ptr<const void>(l.w);
+  const float* bias = ptr<const float>(l.bias);
+  const int code = static_cast<int>(l.code);
+  switch (l.format) {
+    case kDense:
+      lane_small_m_linear(x, dtype, w, code, ptr<const void>(l.bias), y, M, l.N, l.K, threads);
+      break;
+    case kBlocks:
+      lane_quant_linear(x, dtype, w, code, bias, y, dtype, M, l.N, l.K, threads);
+      break;
+    case kX8:
+      lane_quant_x8_linear(x, dtype, ptr<const uint8_t>(l.w), code, bias, y, dtype, M, l.N, l.K, threads);
+      break;
+    default:
+      lane_kquant_linear(x, dtype, w, code, bias, y, dtype, M, l.N, l.K, threads);
+  }
+}
+
+// seconds per piece, summed over layers, when the caller asks (tracing)
+enum Piece { kInputNorm, kQkv, kKvWrite, kAttention, kOProj, kFfn, kPieces };
+struct Clock {
+  double* acc;
+  double last;
+  explicit Clock(double* a) : acc(a), last(a ? omp_get_wtime() : 0.0) {}
+  void mark(Piece p) {
+    if (!acc) return;
+    const double now = omp_get_wtime();
+    acc[p] += now - last;
+    last = now;
+  }
+};
+
+}  // namespace
+
+// x [B, hidden]: layer 0's input (the embeddings), then each layer's output, in place;
+// residual [B, hidden] (written by layer 0). positions, slots [B] int64; block_tables [B, MB]
+// int64; context_lens [B] int32 (this token counted). times: null, or kPieces doubles.
+extern "C" void lane_llama_decode_layers(const int64_t* model, const int64_t* layers, void* x, void* residual,
+                                         int dtype, const int64_t* positions, const int64_t* slots,
+                                         const int64_t* block_tables, const int32_t* context_lens, int64_t B,
+                                         int64_t MB, float eps, float scale, double* times, int threads) {
+  ModelRec m;
+  std::memcpy(&m, model, sizeof(m));
+  const int64_t es = dtype == kF32 ? 4 : 2, H = m.heads, KVH = m.kv_heads, D = m.head_dim;
+  const int64_t q_size = H * D, kv_size = KVH * D, qkv_size = q_size + 2 * kv_size;
+  char* qkv = scratch<char, 10>(B * qkv_size * es);
+  char* q = scratch<char, 11>(B * q_size * es);
+  char* attn = scratch<char, 12>(B * q_size * es);
+  char* gate_up = scratch<char, 13>(B * 2 * m.inter * es);
+  char* act = scratch<char, 14>(B * m.inter * es);
+  Clock clock(times);
+  for (int64_t i = 0; i < m.layers; ++i) {
+    LayerRec l;
+    std::memcpy(&l, layers + i * (sizeof(LayerRec) / sizeof(int64_t)), sizeof(l));
+    if (i == 0) {
+      std::memcpy(residual, x, B * m.hidden * es);
+      lane_rms_norm_(x, nullptr, ptr<const void>(l.in_norm), dtype, B, m.hidden, eps, threads);
+    } else {
+      lane_rms_norm_(x, residual, ptr<const void>(l.in_norm), dtype, B, m.hidden, eps, threads);
+    }
+    clock.mark(kInputNorm);
+    linear(l.qkv, x, dtype, qkv, B, threads);
+    lane_rotary_(qkv, dtype, B, qkv_size, H, D, positions, ptr<const float>(m.cos), ptr<const float>(m.sin),
+                 m.rotary_dim, threads);
+    lane_rotary_(qkv + q_size * es, dtype, B, qkv_size, KVH, D, positions, ptr<const float>(m.cos),
+                 ptr<const float>(m.sin), m.rotary_dim, threads);
+    clock.mark(kQkv);
+    lane_cache_write(qkv + q_size * es, qkv + (q_size + kv_size) * es, qkv_size, qkv_size, ptr<void>(l.k_cache),
+                     ptr<void>(l.v_cache), slots, dtype, B, KVH, D, m.block_size);
+    clock.mark(kKvWrite);
+    for (int64_t b = 0; b < B; ++b) std::memcpy(q + b * q_size * es, qkv + b * qkv_size * es, q_size * es);
+    lane_paged_decode_attention(q, ptr<const void>(l.k_cache), ptr<const void>(l.v_cache), dtype, block_tables,
+                                context_lens, attn, B, H, KVH, D, m.block_size, MB, scale, threads);
+    clock.mark(kAttention);
+    linear(l.o, attn, dtype, x, B, threads);
+    clock.mark(kOProj);
+    lane_rms_norm_(x, residual, ptr<const void>(l.post_norm), dtype, B, m.hidden, eps, threads);
+    clock.mark(kInputNorm);
+    linear(l.gate_up, x, dtype, gate_up, B, threads);
+    lane_silu_and_mul(gate_up, act, dtype, B, m.inter, threads);
+    linear(l.down, act, dtype, x, B, threads);
+    clock.mark(kFfn);
+  }
+}

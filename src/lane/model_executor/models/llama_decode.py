@@ -1,0 +1,145 @@
+"""The Llama family's decode step in one kernel call (``lane_llama_decode_layers``): every
+layer of a step whose rows are all decodes, on the CPU, where the module path would run
+lane's kernels for each piece anyway (quantized weights, or bf16 / fp16). At batch 1 the
+module path spends as long dispatching its ~20 small ops a layer from Python as the layer's
+arithmetic takes; here Python makes one call a step. The kernels and their order are the
+module path's, so the two agree to rounding (tests/test_llama_decode.py).
+
+``LANE_FUSED_DECODE=0`` keeps the module path (so does tracing with per-layer spans). The
+plan (pointers to each layer's weights and caches) is built once, when the caches exist.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from lane import tracing
+from lane.attention.metadata import PagedAttentionMetadata
+from lane.model_executor.layers import cpu_kernels
+from lane.model_executor.layers.attention import Attention
+from lane.model_executor.layers.linear import SMALL_M, UPCAST_ROWS, Linear, fast_cpu_gemm, quant_rows
+from lane.tracing import Step
+
+ENABLED = os.environ.get("LANE_FUSED_DECODE", "1") != "0"
+# decode_layers.cpp's Piece order -> the steps the module path marks
+PIECE_STEPS = (Step.OPS_INPUT_NORM, Step.MODEL_QKV_PROJ, Step.OPS_KV_WRITE, Step.OPS_ATTENTION,
+               Step.COMM_ATTN_REDUCE, Step.OPS_FFN)
+_DENSE, _BLOCKS, _X8, _KQUANT = range(4)
+
+
+class Unsupported(Exception):
+    pass
+
+
+def _linear_record(lin: Linear, dtype: torch.dtype, keep: list) -> tuple[list[int], int]:
+    """(format, weight, code, bias, N, K) and the most rows this layer takes its kernel for."""
+    if lin.qweight is not None:
+        if lin.qkind not in cpu_kernels.GGML_KINDS:  # int8 / w8a8: the module path
+            raise Unsupported(f"{lin.qkind} weights")
+        fmt = _X8 if lin.qx8 else _KQUANT if lin.qkind in cpu_kernels.K_KINDS else _BLOCKS
+        bias = None if lin.bias is None else lin.bias.detach().float().contiguous()
+        w, code, rows = lin.qweight, cpu_kernels.GGML_KINDS[lin.qkind][0], quant_rows(dtype)
+    else:
+        w = lin.weight.detach()
+        if not w.is_contiguous() or w.dtype not in cpu_kernels._DTYPE_CODES:
+            raise Unsupported("a non-contiguous dense weight")
+        bias = None if lin.bias is None else lin.bias.detach().to(w.dtype).contiguous()
+        fmt, code = _DENSE, cpu_kernels._DTYPE_CODES[w.dtype]
+        rows = SMALL_M if fast_cpu_gemm(w.dtype) else UPCAST_ROWS
+    keep += [w, bias]
+    return [fmt, w.data_ptr(), code, 0 if bias is None else bias.data_ptr(), lin.out_features, lin.in_features], rows
+
+
+class FusedDecode:
+    """The plan for one LlamaModel, or ``build`` says why there is none."""
+
+    def __init__(self, model, dtype: torch.dtype) -> None:
+        layers = model.layers
+        a0 = layers[0].self_attn
+        rot = model.rotary
+        if rot.cos.dtype != torch.float32:
+            raise Unsupported("rope tables not float32")
+        keep: list = []  # everything the records point at stays alive with the plan
+        recs, rows, quantized = [], [], False
+        for layer in layers:
+            at = layer.self_attn
+            if type(at.attn) is not Attention or at.qk_norm or not at.attn.k_cache.numel():
+                raise Unsupported("an attention other than the paged one (or no cache yet)")
+            if at.attn.k_cache.dtype != dtype or not at.attn.k_cache.is_contiguous():
+                raise Unsupported("a cache of another dtype")
+            norms = [n.weight.detach().to(dtype).contiguous() for n in
+                     (layer.input_layernorm, layer.post_attention_layernorm)]
+            keep += norms
+            rec = [norms[0].data_ptr(), norms[1].data_ptr()]
+            for lin in (at.qkv_proj, at.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+                r, n = _linear_record(lin, dtype, keep)
+                rec += r
+                rows.append(n)
+                quantized |= lin.qweight is not None
+            rec += [at.attn.k_cache.data_ptr(), at.attn.v_cache.data_ptr()]
+            recs.append(rec)
+        if dtype == torch.float32 and not quantized:
+            # float32 dense keeps torch's norms and rope, bit-comparable with HF
+            raise Unsupported("float32 dense weights")
+        self.max_rows = min(rows)
+        self.model_rec = torch.tensor([len(layers), layers[0].input_layernorm.weight.numel(), a0.num_heads,
+                                       a0.num_kv_heads, a0.head_dim, layers[0].mlp.down_proj.in_features,
+                                       rot.rotary_dim, a0.attn.k_cache.shape[2], rot.cos.data_ptr(),
+                                       rot.sin.data_ptr()], dtype=torch.int64)
+        self.layer_recs = torch.tensor(recs, dtype=torch.int64)
+        self.keep = keep
+        self.caches = (layers[0].self_attn.attn.k_cache.data_ptr(), layers[-1].self_attn.attn.v_cache.data_ptr())
+        self.steps = 0  # steps run fused (tests read it)
+        self.eps = float(layers[0].input_layernorm.eps)
+        self.scale = float(a0.attn.scale)
+        self.dtype = dtype
+        self.times = torch.zeros(len(PIECE_STEPS), dtype=torch.float64)
+
+    @staticmethod
+    def ready(model) -> bool:
+        """Whether a plan can be made now: the first layer's paged cache is bound."""
+        attn = model.layers[0].self_attn.attn
+        return type(attn) is Attention and attn.k_cache.numel() > 0
+
+    @classmethod
+    def build(cls, model, dtype: torch.dtype) -> "FusedDecode | None":
+        if not ENABLED or not cpu_kernels.available() or dtype not in cpu_kernels._DTYPE_CODES:
+            return None
+        try:
+            return cls(model, dtype)
+        except Unsupported:
+            return None
+
+    def current(self, model) -> bool:
+        """Whether the caches are the ones the plan points at (the runner binds them all at once,
+        so the first and the last tell)."""
+        return (model.layers[0].self_attn.attn.k_cache.data_ptr(),
+                model.layers[-1].self_attn.attn.v_cache.data_ptr()) == self.caches
+
+    def applies(self, x: torch.Tensor, md) -> bool:
+        return (x.device.type == "cpu" and x.dtype == self.dtype and len(md) == 1
+                and isinstance(md[0], PagedAttentionMetadata) and md[0].num_decodes == x.shape[0] <= self.max_rows
+                and not tracing.tracer.layer_detail)
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, md: PagedAttentionMetadata):
+        """x [B, hidden] (the embeddings) -> (x, residual) after the last layer."""
+        x = x.contiguous()
+        residual = torch.empty_like(x)
+        pos = positions.to(torch.int64).contiguous()
+        slots = md.slot_mapping.to(torch.int64).contiguous()
+        tables = md.decode_block_tables.to(torch.int64).contiguous()
+        lens = md.decode_context_lens.to(torch.int32).contiguous()
+        prof = tracing.forward_profile()
+        if prof:
+            self.times.zero_()
+        cpu_kernels._lib.lane_llama_decode_layers(
+            self.model_rec.data_ptr(), self.layer_recs.data_ptr(), x.data_ptr(), residual.data_ptr(),
+            cpu_kernels._DTYPE_CODES[x.dtype], pos.data_ptr(), slots.data_ptr(), tables.data_ptr(), lens.data_ptr(),
+            x.shape[0], tables.shape[1], self.eps, self.scale, self.times.data_ptr() if prof else None,
+            torch.get_num_threads())
+        self.steps += 1
+        if prof:
+            for step, seconds in zip(PIECE_STEPS, self.times.tolist()):
+                prof.add(step, seconds)
+        return x, residual
