@@ -12,30 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-
-import torch
 
 PROMPTS = ["The capital of France is", "Write a short story about a robot who learns to paint.",
            "def quicksort(arr):", "The three laws of thermodynamics are", "Once upon a time, in a small village,",
            "Explain how a hash table works."]
-
-
-def perplexity(llm, ids: list[int], chunk: int = 16) -> float:
-    """Teacher-forced over ids, `chunk` tokens a forward, through the runner's own metadata."""
-    from lane.attention.metadata import CommonAttentionMetadata, set_forward_context
-
-    runner, model = llm.engine.worker.runner, llm.engine.worker.model
-    table = tuple(list(range(1, 1 + -(-len(ids) // runner.block_size))) for _ in runner.kv_cache_config.groups)
-    logits = []
-    for s in range(0, len(ids), chunk):
-        e = min(s + chunk, len(ids))
-        md = runner._attn_metadata(CommonAttentionMetadata(0, [0], [e - s], [s], [s == 0]), [table])
-        with torch.inference_mode(), set_forward_context(md):
-            logits.append(model.compute_logits(model(torch.tensor(ids[s:e]), torch.arange(s, e))))
-    nll = torch.nn.functional.cross_entropy(torch.cat(logits).float()[:-1], torch.tensor(ids[1:]))
-    return math.exp(float(nll))
 
 
 def main() -> None:
@@ -43,6 +24,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256)
     args = ap.parse_args()
     from lane import LLM, SamplingParams
+    from lane.bench.quality import perplexity
 
     common = dict(dtype="float32", show_progress=False, max_model_len=2048, kv_cache_memory_bytes=512 << 20,
                   enable_prefix_caching=False)

@@ -8,7 +8,11 @@ ignore_eos, at each --concurrency level: first against lane, then against vLLM (
 from its own venv, benchmarks/setup_vllm_cpu.sh). Printed for each: output tokens/s and
 TTFT / TPOT / ITL percentiles, then the ratios lane : vLLM.
 
-    python benchmarks/serving.py [--concurrency 1 8 32] [--input-len 256] [--output-len 128]
+    python benchmarks/serving.py [--concurrency 1 8 32] [--input-len 256] [--output-len 128] [--lane-gguf]
+
+--lane-gguf also serves lane on the packaged GGUF as it runs by default (Q4_1 blocks kept,
+--quantization auto) against the same vLLM run: vLLM's CPU build at its fastest dtype against
+lane at its fastest way of serving the same model.
 
 The last line is a JSON object of the headline figures. About 6 minutes on 2 cores
 (vLLM's start-up alone takes 80-95 s).
@@ -33,7 +37,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from offline_throughput import DTYPES, check_quiet, concrete_dtype  # noqa: E402
-from peers import free_port, smollm_hf_dir, vllm_python, vllm_serve_command  # noqa: E402
+from peers import free_port, smollm_gguf_path, smollm_hf_dir, vllm_python, vllm_serve_command  # noqa: E402
 
 SERVED_NAME = "smollm2"
 
@@ -180,6 +184,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-vllm", action="store_true", help="only lane (no vLLM venv needed)")
     ap.add_argument("--dtype", default="auto", choices=DTYPES, help="auto: the CPU's fastest")
+    ap.add_argument("--lane-gguf", action="store_true",
+                    help="also serve lane on the packaged GGUF as lane runs it by default (--quantization "
+                         "auto: Q4_1 blocks), against the same vLLM run")
     args = ap.parse_args()
     dtype = concrete_dtype(args.dtype)
 
@@ -200,6 +207,13 @@ def main() -> None:
                  "--max-model-len", "4096"]
     results["lane"] = bench_server("lane", lane_argv, {**os.environ, "LANE_LOGGING_LEVEL": "WARNING"},
                                    "lane", port, args.concurrency, workloads, args.output_len)
+    if args.lane_gguf:
+        port = free_port()
+        argv = [sys.executable, "-m", "lane.entrypoints.cli", "serve", smollm_gguf_path(), "--port", str(port),
+                "--served-model-name", SERVED_NAME, "--dtype", dtype, "--quantization", "auto",
+                "--no-enable-prefix-caching", "--max-model-len", "4096"]
+        results["lane-q"] = bench_server("lane-q", argv, {**os.environ, "LANE_LOGGING_LEVEL": "WARNING"},
+                                         "lane", port, args.concurrency, workloads, args.output_len)
     py = None if args.skip_vllm else vllm_python()
     if py is None and not args.skip_vllm:
         print("vLLM's CPU build is not set up (bash benchmarks/setup_vllm_cpu.sh); lane only", file=sys.stderr)
@@ -224,6 +238,12 @@ def main() -> None:
     headline: dict[str, float | int] = {}
     for c in args.concurrency:
         lane_s = results["lane"][c]
+        if "lane-q" in results:
+            q = results["lane-q"][c]
+            headline[f"lane_gguf_tok_s_c{c}"] = round(q["output_tok_s"], 1)
+            headline[f"lane_gguf_tpot_ms_c{c}"] = round(q["tpot_mean_ms"], 2)
+            if "vllm" in results:
+                headline[f"ratio_gguf_tok_s_c{c}"] = round(q["output_tok_s"] / results["vllm"][c]["output_tok_s"], 2)
         headline[f"lane_tok_s_c{c}"] = round(lane_s["output_tok_s"], 1)
         headline[f"lane_ttft_ms_c{c}"] = round(lane_s["ttft_mean_ms"], 1)
         headline[f"lane_tpot_ms_c{c}"] = round(lane_s["tpot_mean_ms"], 2)
@@ -239,7 +259,9 @@ def main() -> None:
         print("\nratios (>1: lane better): output tok/s lane/vLLM, TTFT and TPOT vLLM/lane")
         for c in args.concurrency:
             print(f"  c={c:<3} tok/s {headline[f'ratio_tok_s_c{c}']:.2f}  TTFT {headline[f'ratio_ttft_c{c}']:.2f}"
-                  f"  TPOT {headline[f'ratio_tpot_c{c}']:.2f}")
+                  f"  TPOT {headline[f'ratio_tpot_c{c}']:.2f}"
+                  + (f"   lane on the GGUF (Q4_1 blocks) / vLLM tok/s {headline[f'ratio_gguf_tok_s_c{c}']:.2f}"
+                     if "lane-q" in results else ""))
     print(json.dumps(headline))
 
 

@@ -6,6 +6,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import pytest
 import torch
 
+from lane.bench.quality import teacher_forced_logits  # noqa: F401  (the tests' reference)
 from lane.config import default_model_path
 
 PROMPTS = [
@@ -216,23 +217,6 @@ def traced_spans(llm, prompt_token_ids: list[int], max_tokens: int, layer_detail
     finally:
         tracer.enabled = tracer.layer_detail = False
         tracer.drain()
-
-
-def teacher_forced_logits(llm, ids: list[int], chunk: int = 16) -> torch.Tensor:
-    """Teacher-forced logits at every position of ``ids`` (one request from position 0), fed
-    ``chunk`` tokens a forward (chunk <= linear.quant_rows: the integer kernels) through the
-    runner's own attention metadata."""
-    from lane.attention.metadata import CommonAttentionMetadata, set_forward_context
-
-    runner, model = llm.engine.worker.runner, llm.engine.worker.model
-    table = tuple(list(range(1, 1 + -(-len(ids) // runner.block_size))) for _ in runner.kv_cache_config.groups)
-    logits = []
-    for s in range(0, len(ids), chunk):
-        e = min(s + chunk, len(ids))
-        md = runner._attn_metadata(CommonAttentionMetadata(0, [0], [e - s], [s], [s == 0]), [table])
-        with torch.inference_mode(), set_forward_context(md):
-            logits.append(model.compute_logits(model(torch.tensor(ids[s:e]), torch.arange(s, e))))
-    return torch.cat(logits).float()
 
 
 def narrower_isas() -> list[str]:

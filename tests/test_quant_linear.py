@@ -1,7 +1,6 @@
 """GGUF weights kept in their blocks (--quantization auto): the integer kernels against
 integer and float64 references on the same quantized values, on every kernel path this
 CPU has; and the embedded SmolLM2 run that way (memory, perplexity)."""
-import math
 import os
 import subprocess
 import sys
@@ -13,6 +12,7 @@ from lane import platform
 from lane.model_executor.layers import cpu_kernels
 
 from conftest import check_kernels_on, narrower_isas, rel_to_terms, teacher_forced_logits
+from lane.bench.quality import perplexity
 
 KINDS = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}  # bytes per 32 weights
 
@@ -62,7 +62,7 @@ def check_kernels(shapes=((37, 96), (64, 576))) -> dict:
             if x8 is not None:
                 assert torch.equal(cpu_kernels.dequant_x8(x8, kind, N, K, torch.float32).view(-1),
                                    cpu_kernels.dequant_ggml(blocks.numpy(), kind, torch.float32))
-            for M in range(1, 17):
+            for M in list(range(1, 17)) + ([24, 64] if x8 is not None else []):  # x8 serves up to 64 rows
                 x = torch.randn(M, K, generator=g)
                 qx, dx, sx = cpu_kernels.quantize_rows_q8(x)
                 # the activation quantization: d = max|x| / 127 per block, q = round(x / d)
@@ -72,8 +72,10 @@ def check_kernels(shapes=((37, 96), (64, 576))) -> dict:
                 assert torch.allclose(sx, dx * qx.view(M, -1, 32).float().sum(-1))
                 dots = torch.einsum("mbi,nbi->mnb", qx.view(M, -1, 32).long(), qw.view(N, -1, 32))
                 assert torch.equal(cpu_kernels.quant_block_dots(qx, blocks, kind, N).long(), dots), (kind, M)
-                terms = (dw.double()[None] * dx.double()[:, None] * dots.double()
-                         + mw.double()[None] * sx.double()[:, None])  # [M, N, blocks]
+                # [M, N, 2 x blocks]: each block's scale and (Q4_1) minimum parts, the products the
+                # kernels compute, so a block whose two parts cancel is held to their size
+                terms = torch.cat((dw.double()[None] * dx.double()[:, None] * dots.double(),
+                                   (mw.double()[None] * sx.double()[:, None]).expand(M, N, -1)), dim=-1)
                 rel = rel_to_terms(cpu_kernels.quant_linear(x, blocks, kind, N), terms)
                 worst = max(worst, rel)
                 assert rel < 1e-6, (kind, N, K, M, rel)
@@ -100,11 +102,6 @@ def test_kernels_on_narrower_paths(isa):
 def test_x8_maddubs_path_on_a_vnni_cpu():
     """An AVX-512 build on a VNNI CPU runs the x8 dots with dpbusd; LANE_CPU_VNNI=0 takes maddubs."""
     check_kernels_on("test_quant_linear", "avx512", LANE_CPU_VNNI="0")
-
-
-def perplexity(llm, ids: list[int], chunk: int = 16) -> float:
-    nll = torch.nn.functional.cross_entropy(teacher_forced_logits(llm, ids, chunk)[:-1], torch.tensor(ids[1:]))
-    return math.exp(float(nll))
 
 
 def test_smollm_quantized_memory_and_perplexity(smollm_gguf):

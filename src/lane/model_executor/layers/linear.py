@@ -12,9 +12,10 @@ on every CPU.
   bf16 / fp16 storage, fp32 math, as vLLM's CPU build runs bf16 on AVX2. Up to
   ``UPCAST_ROWS`` rows the small-M kernel reads the weight as stored; above, the
   weight is widened per call and fp32 GEMM runs.
-- GGUF Q4_0 / Q4_1 / Q8_0 / K-quant weights kept in their blocks (``--quantization auto``): up to
+- GGUF Q4_0 / Q4_1 / Q8_0 / K-quant weights kept in their blocks (``--quantization auto``; the
+  32-blocks repacked 8 rows interleaved at prepack where N allows): up to
   ``quant_rows`` rows (decode batches, verify), the integer kernel (each row quantized to
-  8-bit blocks once per call); above (prefill), the weight dequantized into a scratch
+  8-bit blocks once per call, inside it); above (prefill), the weight dequantized into a scratch
   buffer reused by every layer, then the dense GEMM: the dequantization is a few percent
   of a prefill's GEMM time, and the integer kernel's cost grows with every row.
 - int8 weights per output channel (``--quantization int8`` / ``w8a8``, quantized at load from a
@@ -39,9 +40,13 @@ _PACK_BATCH_HINT = 64
 _scratch: dict[torch.dtype, torch.Tensor] = {}  # the dequantized weight of the layer running now
 
 
-def quant_rows(dtype: torch.dtype) -> int:
-    """Rows up to which the integer kernel beats dequantize + GEMM: 16 where the CPU's GEMM
-    runs the dtype natively and fast (bf16 on oneDNN), else 32 (measured on SmolLM2's shapes)."""
+def quant_rows(dtype: torch.dtype, x8: bool = False) -> int:
+    """Rows up to which the integer kernel beats dequantize + GEMM (measured on SmolLM2's
+    shapes): for blocks repacked 8 rows interleaved, whose cost grows slowly with the rows, 64
+    (they win to 64-128 rows, bf16 on AMX included); else 16 where the CPU's GEMM runs the dtype
+    natively and fast (bf16 on oneDNN), 32 elsewhere."""
+    if x8:
+        return 64
     return 16 if dtype != torch.float32 and fast_cpu_gemm(dtype) else 32
 
 
@@ -163,7 +168,7 @@ class Linear(nn.Linear):
         elif not cpu_kernels.usable(x2):
             raise RuntimeError("GGUF blocks need the CPU kernels (LANE_CPU_KERNELS=0 or a failed build); "
                                "load with --quantization none")
-        elif x2.shape[0] <= quant_rows(x.dtype):
+        elif x2.shape[0] <= quant_rows(x.dtype, self.qx8):
             y = cpu_kernels.quant_linear(x2, self.qweight, self.qkind, self.out_features, self.bias, self.qx8)
         else:
             y = linear(x2, dequantized(self.qweight, self.qkind, (self.out_features, self.in_features), x.dtype,

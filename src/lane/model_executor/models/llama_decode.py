@@ -39,7 +39,7 @@ def _linear_record(lin: Linear, dtype: torch.dtype, keep: list) -> tuple[list[in
             raise Unsupported(f"{lin.qkind} weights")
         fmt = _X8 if lin.qx8 else _KQUANT if lin.qkind in cpu_kernels.K_KINDS else _BLOCKS
         bias = None if lin.bias is None else lin.bias.detach().float().contiguous()
-        w, code, rows = lin.qweight, cpu_kernels.GGML_KINDS[lin.qkind][0], quant_rows(dtype)
+        w, code, rows = lin.qweight, cpu_kernels.GGML_KINDS[lin.qkind][0], quant_rows(dtype, lin.qx8)
     else:
         w = lin.weight.detach()
         if not w.is_contiguous() or w.dtype not in cpu_kernels._DTYPE_CODES:

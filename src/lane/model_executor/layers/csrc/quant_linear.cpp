@@ -96,17 +96,14 @@ inline __m256i nibbles(const uint8_t* p) {
   return _mm256_and_si256(both, _mm256_set1_epi8(0x0f));
 }
 
-// sum over 32 lanes of u8 a * s8 b, as 8 int32 lanes converted to float
-inline __m256 dot_us(__m256i a, __m256i b) {
-  const __m256i pairs = _mm256_maddubs_epi16(a, b);
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
+// sum over 32 lanes of u8 a * s8 b, exact in int32 (the lanes reduced as integers, so the
+// block's one float product rounds once)
+inline int32_t dot_us(__m256i a, __m256i b) {
+  const __m256i v = _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+  return _mm_cvtsi128_si32(s);
 }
 
 // Weight rows [t0, t1) (at most kTile) unpacked once: 32 int8 values per block (Q4_1: the
@@ -137,18 +134,17 @@ void unpack_tile(const uint8_t* wp, int qtype, int64_t nb, int64_t t0, int64_t t
 // One weight block (w: its 32 values as int8, Q4_1's as unsigned nibbles) into R rows' sums
 template <int R>
 inline void block_dot(__m256i w, float dw, float mw, int qtype, const int8_t* qx, const float* dx,
-                      const float* sx, int64_t K, int64_t nb, int64_t b, __m256* acc, float* corr) {
+                      const float* sx, int64_t K, int64_t nb, int64_t b, float* acc) {
   if (qtype != kQ4_1) {  // signed x signed (Q8_0; Q4_0's nibbles - 8): |w| times x with w's sign
     const __m256i aw = _mm256_sign_epi8(w, w);
     for (int r = 0; r < R; ++r) {
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + r * K + b * kBlock));
-      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * dx[r * nb + b]), dot_us(aw, _mm256_sign_epi8(x, w)), acc[r]);
+      acc[r] += dw * dx[r * nb + b] * static_cast<float>(dot_us(aw, _mm256_sign_epi8(x, w)));
     }
   } else {  // Q4_1: unsigned nibbles, and the minimum through s_x = d_x * sum(q_x)
     for (int r = 0; r < R; ++r) {
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + r * K + b * kBlock));
-      acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(dw * dx[r * nb + b]), dot_us(w, x), acc[r]);
-      corr[r] += mw * sx[r * nb + b];
+      acc[r] += dw * dx[r * nb + b] * static_cast<float>(dot_us(w, x)) + mw * sx[r * nb + b];
     }
   }
 }
@@ -160,27 +156,22 @@ void rows_simd(const Tile* t, const uint8_t* wp, int qtype, const int8_t* qx, co
                float* yf, int64_t N, int64_t K, int64_t t0, int64_t t1) {
   const int64_t nb = K / kBlock, bb = ggml_block_bytes(qtype), row = nb * bb;
   for (int64_t n = t0; n < t1; ++n) {
-    __m256 acc[R];
-    float corr[R];
-    for (int r = 0; r < R; ++r) {
-      acc[r] = _mm256_setzero_ps();
-      corr[r] = 0.f;
-    }
+    float acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = 0.f;
     for (int64_t b = 0; b < nb; ++b) {
       if (Tiled) {
         const int64_t i = (n - t0) * nb + b;
         const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(&t->q[i * kBlock]));
-        block_dot<R>(w, t->d[i], t->m[i], qtype, qx, dx, sx, K, nb, b, acc, corr);
+        block_dot<R>(w, t->d[i], t->m[i], qtype, qx, dx, sx, K, nb, b, acc);
       } else {
         const uint8_t* blk = wp + n * row + b * bb;
         const __m256i w = qtype == kQ8_0 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2))
                           : qtype == kQ4_0 ? _mm256_sub_epi8(nibbles(blk + 2), _mm256_set1_epi8(8))
                                            : nibbles(blk + 4);
-        block_dot<R>(w, half_at(blk), qtype == kQ4_1 ? half_at(blk + 2) : 0.f, qtype, qx, dx, sx, K, nb, b, acc,
-                     corr);
+        block_dot<R>(w, half_at(blk), qtype == kQ4_1 ? half_at(blk + 2) : 0.f, qtype, qx, dx, sx, K, nb, b, acc);
       }
     }
-    for (int r = 0; r < R; ++r) yf[r * N + n] = hsum(acc[r]) + corr[r];
+    for (int r = 0; r < R; ++r) yf[r * N + n] = acc[r];
   }
 }
 

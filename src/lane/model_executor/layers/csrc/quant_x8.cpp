@@ -100,48 +100,46 @@ struct Q8 {
 #define LANE_X8_VNNI __attribute__((target("avx512f,avx512vl,avx512vnni")))
 struct Q4Vnni : Q4 {
   LANE_X8_VNNI static inline __m256i dots(const W& w, const int8_t* xq) {
-    __m256i s = _mm256_setzero_si256();
+    __m256i s = _mm256_setzero_si256(), t = _mm256_setzero_si256();  // two chains: dpbusd's latency
     for (int c = 0; c < 4; ++c) {
       s = _mm256_dpbusd_epi32(s, w.lo[c], bcast4(xq + 4 * c));
-      s = _mm256_dpbusd_epi32(s, w.hi[c], bcast4(xq + 16 + 4 * c));
+      t = _mm256_dpbusd_epi32(t, w.hi[c], bcast4(xq + 16 + 4 * c));
     }
-    return s;
+    return _mm256_add_epi32(s, t);
   }
 };
 struct Q8Vnni : Q8 {
   LANE_X8_VNNI static inline __m256i dots(const W& w, const int8_t* xq) {
-    __m256i s = _mm256_setzero_si256();
-    for (int c = 0; c < 8; ++c)
+    __m256i s = _mm256_setzero_si256(), t = _mm256_setzero_si256();
+    for (int c = 0; c < 8; c += 2) {
       s = _mm256_dpbusd_epi32(s, _mm256_abs_epi8(w.q[c]), _mm256_sign_epi8(bcast4(xq + 4 * c), w.q[c]));
-    return s;
+      t = _mm256_dpbusd_epi32(t, _mm256_abs_epi8(w.q[c + 1]), _mm256_sign_epi8(bcast4(xq + 4 * c + 4), w.q[c + 1]));
+    }
+    return _mm256_add_epi32(s, t);
   }
 };
 
-// One group of 8 weight rows against R input rows: y[r * N + n0 .. n0 + 8)
-template <int R, class F, typename T>
-__attribute__((always_inline)) inline void group_rows(const uint8_t* gp, int qtype, int64_t nb, const int8_t* qx,
+// One group of 8 weight rows against R input rows: y[r * N + n0 .. n0 + 8). The kind (Q) is a
+// template argument, so the inner loops carry no branch on it.
+template <int Q, int R, class F, typename T>
+__attribute__((always_inline)) inline void group_rows(const uint8_t* gp, int64_t nb, const int8_t* qx,
                                                       const float* dx, const float* sx, const int32_t* isum,
                                                       int64_t K, const float* bias, T* y, int64_t N, int64_t n0) {
-  const int64_t gb = group_block_bytes(qtype), qo = x8_quant_offset(qtype);
+  const int64_t gb = group_block_bytes(Q), qo = x8_quant_offset(Q);
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* o = gp + b * gb;
     const typename F::W w = F::load(o + qo);
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o)));
-    if (qtype == kQ4_1) {
+    for (int r = 0; r < R; ++r) {
+      __m256i i = F::dots(w, qx + r * K + b * kBlock);
+      if (Q == kQ4_0) i = _mm256_sub_epi32(i, _mm256_set1_epi32(8 * isum[r * nb + b]));
+      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(dx[r * nb + b])), _mm256_cvtepi32_ps(i), acc[r]);
+    }
+    if (Q == kQ4_1) {
       const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 16)));
-      for (int r = 0; r < R; ++r) {
-        const __m256 dot = _mm256_cvtepi32_ps(F::dots(w, qx + r * K + b * kBlock));
-        acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(dx[r * nb + b])), dot, acc[r]);
-        acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[r * nb + b]), acc[r]);
-      }
-    } else {
-      for (int r = 0; r < R; ++r) {
-        __m256i i = F::dots(w, qx + r * K + b * kBlock);
-        if (qtype == kQ4_0) i = _mm256_sub_epi32(i, _mm256_set1_epi32(8 * isum[r * nb + b]));
-        acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(dx[r * nb + b])), _mm256_cvtepi32_ps(i), acc[r]);
-      }
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[r * nb + b]), acc[r]);
     }
   }
   for (int r = 0; r < R; ++r) {
@@ -152,13 +150,13 @@ __attribute__((always_inline)) inline void group_rows(const uint8_t* gp, int qty
   }
 }
 
-template <class F, typename T>
-__attribute__((always_inline)) inline void groups(const uint8_t* wp, int qtype, const int8_t* qx, const float* dx,
+template <int Q, class F, typename T>
+__attribute__((always_inline)) inline void groups(const uint8_t* wp, const int8_t* qx, const float* dx,
                                                   const float* sx, const int32_t* isum, const float* bias, T* y,
                                                   int64_t M, int64_t N, int64_t K, int64_t g0, int64_t g1) {
   const int64_t nb = K / kBlock, passes = (M + 7) / 8;  // balanced passes of at most 8 rows
   for (int64_t g = g0; g < g1; ++g) {
-    const uint8_t* gp = wp + g * nb * group_block_bytes(qtype);
+    const uint8_t* gp = wp + g * nb * group_block_bytes(Q);
     for (int64_t p = 0, m = 0; p < passes; ++p) {
       const int64_t r = M / passes + (p < M % passes);
       const int8_t* q = qx + m * K;
@@ -168,7 +166,7 @@ __attribute__((always_inline)) inline void groups(const uint8_t* wp, int qtype, 
       const int64_t n0 = g * kX8Rows;
       switch (r) {
 #define LANE_X8_CASE(R) \
-  case R: group_rows<R, F, T>(gp, qtype, nb, q, d, s, is, K, bias, yr, N, n0); break;
+  case R: group_rows<Q, R, F, T>(gp, nb, q, d, s, is, K, bias, yr, N, n0); break;
         LANE_X8_CASE(1) LANE_X8_CASE(2) LANE_X8_CASE(3) LANE_X8_CASE(4)
         LANE_X8_CASE(5) LANE_X8_CASE(6) LANE_X8_CASE(7) LANE_X8_CASE(8)
 #undef LANE_X8_CASE
@@ -178,25 +176,27 @@ __attribute__((always_inline)) inline void groups(const uint8_t* wp, int qtype, 
   }
 }
 
+#define LANE_X8_GROUPS(F4, F8)                                                                               \
+  switch (qtype) {                                                                                          \
+    case kQ4_0: groups<kQ4_0, F4, T>(wp, qx, dx, sx, isum, bias, y, M, N, K, g0, g1); break;                \
+    case kQ4_1: groups<kQ4_1, F4, T>(wp, qx, dx, sx, isum, bias, y, M, N, K, g0, g1); break;                \
+    default: groups<kQ8_0, F8, T>(wp, qx, dx, sx, isum, bias, y, M, N, K, g0, g1);                          \
+  }
+
 template <typename T>
 void groups_avx2(const uint8_t* wp, int qtype, const int8_t* qx, const float* dx, const float* sx,
                  const int32_t* isum, const float* bias, T* y, int64_t M, int64_t N, int64_t K, int64_t g0,
                  int64_t g1) {
-  if (qtype == kQ8_0)
-    groups<Q8, T>(wp, qtype, qx, dx, sx, isum, bias, y, M, N, K, g0, g1);
-  else
-    groups<Q4, T>(wp, qtype, qx, dx, sx, isum, bias, y, M, N, K, g0, g1);
+  LANE_X8_GROUPS(Q4, Q8)
 }
 
 template <typename T>
 LANE_X8_VNNI void groups_vnni(const uint8_t* wp, int qtype, const int8_t* qx, const float* dx, const float* sx,
                               const int32_t* isum, const float* bias, T* y, int64_t M, int64_t N, int64_t K,
                               int64_t g0, int64_t g1) {
-  if (qtype == kQ8_0)
-    groups<Q8Vnni, T>(wp, qtype, qx, dx, sx, isum, bias, y, M, N, K, g0, g1);
-  else
-    groups<Q4Vnni, T>(wp, qtype, qx, dx, sx, isum, bias, y, M, N, K, g0, g1);
+  LANE_X8_GROUPS(Q4Vnni, Q8Vnni)
 }
+#undef LANE_X8_GROUPS
 
 // VNNI where the CPU has it (an AVX-512 build); LANE_CPU_VNNI=0 takes the maddubs path (to test it)
 bool use_vnni() {
