@@ -30,7 +30,7 @@ import httpx2 as httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from offline_throughput import check_quiet  # noqa: E402
-from peers import free_port, smollm_hf_dir, vllm_python, vllm_serve_command  # noqa: E402
+from peers import built_llama_cpp_bin_dir, free_port, smollm_hf_dir, vllm_python, vllm_serve_command  # noqa: E402
 from serving import stop  # noqa: E402
 
 PROMPT = list(range(1000, 1032))  # 32 token ids
@@ -118,9 +118,11 @@ def vllm_run() -> dict | None:
 
 
 def llama_server_run() -> dict | None:
-    exe = os.environ.get("LLAMA_SERVER") or shutil.which("llama-server")
+    built = built_llama_cpp_bin_dir()
+    exe = (os.environ.get("LLAMA_SERVER") or shutil.which("llama-server")
+           or (os.path.join(built, "llama-server") if built else None))
     if exe is None:
-        print("llama-server not found (on PATH or $LLAMA_SERVER; the CPU-speed issue's script builds it): "
+        print("llama-server not found ($LLAMA_SERVER, on PATH, or built by benchmarks/llama_cpp_compare.py): "
               "skipped", flush=True)
         return None
     from lane.config import default_model_path

@@ -210,6 +210,17 @@ def _cpu_flags_hash() -> str:
     return hashlib.sha256("\n".join((flags, *LLAMA_CPP_CMAKE_ARGS)).encode()).hexdigest()[:10]
 
 
+def _llama_cpp_home(cache_dir: str | None) -> str:
+    root = os.path.abspath(os.path.expanduser(cache_dir or DEFAULT_PEERS_DIR))
+    return os.path.join(root, f"llama.cpp-{LLAMA_CPP_PYTHON_VERSION}-{_cpu_flags_hash()}")
+
+
+def built_llama_cpp_bin_dir(cache_dir: str | None = None) -> str | None:
+    """llama_cpp_bin_dir's directory if that build is already complete, else None (builds nothing)."""
+    home = _llama_cpp_home(cache_dir)
+    return os.path.join(home, "bin") if os.path.isfile(os.path.join(home, "BUILD_COMPLETE")) else None
+
+
 def llama_cpp_bin_dir(cache_dir: str | None = None, jobs: int | None = None) -> str:
     """Directory holding llama-bench, llama-server and llama-quantize, built once.
 
@@ -219,9 +230,8 @@ def llama_cpp_bin_dir(cache_dir: str | None = None, jobs: int | None = None) -> 
     of the CPU's flags and LLAMA_CPP_CMAKE_ARGS); <cache> defaults to
     ~/.cache/lane/peers. Prints a line per stage; CMake's output goes to a log file.
     """
-    root = os.path.abspath(os.path.expanduser(cache_dir or DEFAULT_PEERS_DIR))
     ver = LLAMA_CPP_PYTHON_VERSION
-    home = os.path.join(root, f"llama.cpp-{ver}-{_cpu_flags_hash()}")
+    home = _llama_cpp_home(cache_dir)
     bin_dir, done = os.path.join(home, "bin"), os.path.join(home, "BUILD_COMPLETE")
     if os.path.isfile(done):
         return bin_dir
@@ -248,7 +258,7 @@ def llama_cpp_bin_dir(cache_dir: str | None = None, jobs: int | None = None) -> 
             if proc.wait():
                 raise RuntimeError(f"{argv[0]} failed ({proc.returncode}); see {log_path}")
 
-        sdist_dir = os.path.join(root, "sdist")
+        sdist_dir = os.path.join(os.path.dirname(home), "sdist")
         sdist = os.path.join(sdist_dir, f"llama_cpp_python-{ver}.tar.gz")
         if not os.path.isfile(sdist):
             say("downloading the sdist from the package registry")
