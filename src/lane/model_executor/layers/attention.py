@@ -139,15 +139,14 @@ class Attention(CacheLayer):
         mark = tracing.forward_mark()
         mark(Step.OPS_KV_WRITE)
         nd = md.num_decodes
-        if nd == q.shape[0] and cpu_kernels.usable(q):  # decodes only: no output copy
-            out = cpu_kernels.decode_attention(q, kc, vc, md.decode_block_tables, md.decode_context_lens, self.scale)
+        decode = cpu_kernels.decode_attention if cpu_kernels.usable(q) else decode_attention_torch
+        if nd and nd == q.shape[0]:  # decodes only: no output copy
+            out = decode(q, kc, vc, md.decode_block_tables, md.decode_context_lens, self.scale)
             mark(Step.OPS_ATTENTION)
-            return out.view(q.shape[0], -1)
+            return out.reshape(q.shape[0], -1)
         out = torch.empty_like(q)
         if nd:
-            args = (q[:nd], kc, vc, md.decode_block_tables, md.decode_context_lens, self.scale)
-            out[:nd] = (cpu_kernels.decode_attention(*args) if cpu_kernels.usable(q)
-                        else decode_attention_torch(*args))
+            out[:nd] = decode(q[:nd], kc, vc, md.decode_block_tables, md.decode_context_lens, self.scale)
         for span in md.prefills:
             s, e = span.query_start, span.query_end
             out[s:e] = self._prefill(q[s:e], k[s:e], v[s:e], span, kc, vc)

@@ -180,6 +180,11 @@ def usable(x: torch.Tensor) -> bool:
     return _lib is not None and x.device.type == "cpu" and x.dtype in _DTYPE_CODES
 
 
+def dtype_code(dtype: torch.dtype) -> int | None:
+    """The kernels' code for a dtype (float32, bfloat16, float16), or None for one they do not run."""
+    return _DTYPE_CODES.get(dtype)
+
+
 def fused_for(dtype: torch.dtype, device: torch.device) -> bool:
     """The fused element-wise kernels round once where torch rounds after every
     op: used for bf16 only, so float32 stays bit-comparable with HF."""
@@ -224,6 +229,18 @@ def cache_write(k, v, k_cache, v_cache, slot_mapping):
     slots = _as(slot_mapping, torch.int64)
     _lib.lane_cache_write(k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                           slots.data_ptr(), _DTYPE_CODES[k.dtype], T, KVH, D, k_cache.shape[2])
+
+
+def llama_decode_layers(model_rec, layer_recs, x, residual, positions, slots, block_tables, context_lens, eps,
+                        scale, times=None):
+    """Every layer of a Llama-family step of decodes (models/llama_decode.py builds the int64
+    records): x [B, hidden] contiguous, the embeddings in and the last layer's output out, in
+    place; residual [B, hidden] written; positions / slots [B] int64, block_tables [B, max blocks]
+    int64, context_lens [B] int32, contiguous; times: None or float64 [6], the pieces' seconds."""
+    _lib.lane_llama_decode_layers(model_rec.data_ptr(), layer_recs.data_ptr(), x.data_ptr(), residual.data_ptr(),
+                                  _DTYPE_CODES[x.dtype], positions.data_ptr(), slots.data_ptr(),
+                                  block_tables.data_ptr(), context_lens.data_ptr(), x.shape[0], block_tables.shape[1],
+                                  eps, scale, None if times is None else times.data_ptr(), torch.get_num_threads())
 
 
 def prefill_attention(q, k_cache, v_cache, block_ids, num_computed, scale):

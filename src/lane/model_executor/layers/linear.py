@@ -82,7 +82,7 @@ class Linear(nn.Linear):
     weight_scale: torch.Tensor | None = None  # int8: fp32 [out_features]
     weight_sums: torch.Tensor | None = None  # w8a8: int32 [out_features], the VNNI offset's correction
     dense_dtype: torch.dtype | None = None  # the weight's dtype, for a GGUF layer that goes dense after all
-    qx8 = False  # qweight's Q4 blocks repacked 8 rows interleaved (cpu_kernels.repack_x8) at prepack
+    qx8 = False  # qweight's 32-blocks (Q4_0 / Q4_1 / Q8_0) repacked 8 rows interleaved (cpu_kernels.repack_x8)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
                  quantizable: bool | None = None) -> None:

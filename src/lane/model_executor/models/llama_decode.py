@@ -42,10 +42,11 @@ def _linear_record(lin: Linear, dtype: torch.dtype, keep: list) -> tuple[list[in
         w, code, rows = lin.qweight, cpu_kernels.GGML_KINDS[lin.qkind][0], quant_rows(dtype, lin.qx8)
     else:
         w = lin.weight.detach()
-        if not w.is_contiguous() or w.dtype not in cpu_kernels._DTYPE_CODES:
-            raise Unsupported("a non-contiguous dense weight")
+        code = cpu_kernels.dtype_code(w.dtype)
+        if not w.is_contiguous() or code is None:
+            raise Unsupported("a non-contiguous dense weight, or a dtype the kernels do not run")
         bias = None if lin.bias is None else lin.bias.detach().to(w.dtype).contiguous()
-        fmt, code = _DENSE, cpu_kernels._DTYPE_CODES[w.dtype]
+        fmt = _DENSE
         rows = SMALL_M if fast_cpu_gemm(w.dtype) else UPCAST_ROWS
     keep += [w, bias]
     return [fmt, w.data_ptr(), code, 0 if bias is None else bias.data_ptr(), lin.out_features, lin.in_features], rows
@@ -104,7 +105,7 @@ class FusedDecode:
 
     @classmethod
     def build(cls, model, dtype: torch.dtype) -> "FusedDecode | None":
-        if not ENABLED or not cpu_kernels.available() or dtype not in cpu_kernels._DTYPE_CODES:
+        if not ENABLED or not cpu_kernels.available() or cpu_kernels.dtype_code(dtype) is None:
             return None
         try:
             return cls(model, dtype)
@@ -133,11 +134,8 @@ class FusedDecode:
         prof = tracing.forward_profile()
         if prof:
             self.times.zero_()
-        cpu_kernels._lib.lane_llama_decode_layers(
-            self.model_rec.data_ptr(), self.layer_recs.data_ptr(), x.data_ptr(), residual.data_ptr(),
-            cpu_kernels._DTYPE_CODES[x.dtype], pos.data_ptr(), slots.data_ptr(), tables.data_ptr(), lens.data_ptr(),
-            x.shape[0], tables.shape[1], self.eps, self.scale, self.times.data_ptr() if prof else None,
-            torch.get_num_threads())
+        cpu_kernels.llama_decode_layers(self.model_rec, self.layer_recs, x, residual, pos, slots, tables, lens,
+                                        self.eps, self.scale, self.times if prof else None)
         self.steps += 1
         if prof:
             for step, seconds in zip(PIECE_STEPS, self.times.tolist()):

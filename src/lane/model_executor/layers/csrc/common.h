@@ -4,6 +4,7 @@
 #pragma once
 #include <omp.h>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -144,7 +145,25 @@ inline void x8_block(uint8_t* gb, int qtype, int r, uint8_t* blk, bool to_packed
 void quantize_rows_q8(const void* x, int x_dtype, int8_t* q, float* d, float* s, int32_t* isum, int64_t M,
                       int64_t K);
 
-// A per-thread buffer that grows as needed and is reused call to call (no allocation per call)
+// Whether the kernels with a VNNI variant (K-quants, the x8 32-blocks) take it: an AVX-512 build
+// on a CPU that has it, unless LANE_CPU_VNNI=0 (so one VNNI machine tests the plain paths too).
+// Asked on first use, __builtin_cpu_init first: a static initializer may run before libgcc's.
+inline bool use_vnni() {
+#if defined(__AVX512F__)
+  static const bool v = [] {
+    __builtin_cpu_init();
+    const char* env = std::getenv("LANE_CPU_VNNI");
+    return __builtin_cpu_supports("avx512vnni") && !(env && env[0] == '0');
+  }();
+  return v;
+#else
+  return false;
+#endif
+}
+
+// A per-thread buffer that grows as needed and is reused call to call (no allocation per call).
+// Each caller names its own (T, Tag): a kernel that calls another (decode_layers.cpp) must not
+// share a buffer the callee overwrites.
 template <typename T, int Tag>
 inline T* scratch(int64_t n) {
   static thread_local std::vector<T> buf;

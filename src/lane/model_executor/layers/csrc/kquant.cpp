@@ -17,7 +17,6 @@
 // kernels' FMAs are explicit intrinsics.
 #include "common.h"
 
-#include <cstdlib>
 #include <vector>
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -262,16 +261,6 @@ namespace {
 #pragma GCC pop_options
 #endif
 
-// VNNI where the CPU has it; LANE_CPU_VNNI=0 takes the plain AVX-512BW rows (to test them).
-// Asked on first use: __builtin_cpu_init first, as a static initializer may run before libgcc's.
-bool use_vnni() {
-  static const bool v = [] {
-    __builtin_cpu_init();
-    const char* env = std::getenv("LANE_CPU_VNNI");
-    return __builtin_cpu_supports("avx512vnni") && !(env && env[0] == '0');
-  }();
-  return v;
-}
 }  // namespace
 #endif
 

@@ -1,5 +1,7 @@
 // Linear layers on GGUF blocks as they are (Q8_0, Q4_0, Q4_1: 32 weights per block with an
-// fp16 scale, and for Q4_1 an fp16 minimum), for the decode and verify rows (M <= 16).
+// fp16 scale, and for Q4_1 an fp16 minimum), for the decode and verify rows (M <= 32). Layers
+// whose row count is a multiple of 8 are repacked at load and run quant_x8.cpp instead; this
+// kernel serves the rest.
 // As ggml does, each input row is quantized once per call to 8-bit blocks of 32 (scale
 // d_x = max|x| / 127, and s_x = d_x * sum(q_x) for Q4_1's minimum term), so each block's
 // dot product is an int32 sum of int8 x int8 products:

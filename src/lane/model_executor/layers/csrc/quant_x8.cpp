@@ -11,7 +11,6 @@
 // Q4_0's offset is taken in int32, so every block's integer dot product is exact.
 #include "common.h"
 
-#include <cstdlib>
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -198,18 +197,6 @@ LANE_X8_VNNI void groups_vnni(const uint8_t* wp, int qtype, const int8_t* qx, co
 }
 #undef LANE_X8_GROUPS
 
-// VNNI where the CPU has it (an AVX-512 build); LANE_CPU_VNNI=0 takes the maddubs path (to test it)
-bool use_vnni() {
-#if defined(__AVX512F__)
-  static const bool v = [] {
-    const char* env = std::getenv("LANE_CPU_VNNI");
-    return __builtin_cpu_supports("avx512vnni") && !(env && env[0] == '0');
-  }();
-  return v;
-#else
-  return false;
-#endif
-}
 #endif
 
 template <typename T>
