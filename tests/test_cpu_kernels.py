@@ -130,3 +130,19 @@ def test_fused_rms_norm_rotary_silu_match_torch():
     gu = torch.randn(11, 2 * 48).to(bf)
     torch.testing.assert_close(silu_and_mul(gu).float(), F.silu(gu[:, :48].float()) * gu[:, 48:].float(),
                                atol=3e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_argmax_rows_is_torch_argmax(dtype):
+    """The greedy sampler's kernel gives torch.argmax's index on every row: the first of tied
+    maxima, the first NaN where a row has one, 0 for a row of -inf; bf16 rows tie often."""
+    assert cpu_kernels.build()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 49153, generator=g).to(dtype)
+    x[1, 40000] = x[1, 7] = x[1].max() + 1  # a tie: the first wins
+    x[2, 30000], x[2, 20] = float("nan"), float("nan")
+    x[3] = float("-inf")
+    x[4, 49152] = float("inf")
+    x[5] = torch.randint(0, 3, (49153,), generator=g).to(dtype)  # many ties
+    assert torch.equal(cpu_kernels.argmax_rows(x), x.argmax(dim=-1))
+    assert torch.equal(cpu_kernels.argmax_rows(x[:, :1000]), x[:, :1000].argmax(dim=-1))  # strided rows

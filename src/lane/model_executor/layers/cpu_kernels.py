@@ -301,6 +301,18 @@ def silu_and_mul(x):
     return out
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, dim=-1) of a 2-D CPU tensor (first NaN, else first maximum) as int64;
+    torch's where the kernels are not built or x is not one of their dtypes."""
+    if not usable(x) or x.dim() != 2:
+        return x.argmax(dim=-1)
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    _lib.lane_argmax_rows(x.data_ptr(), _DTYPE_CODES[x.dtype], out.data_ptr(), x.shape[0], x.shape[1],
+                          torch.get_num_threads())
+    return out
+
+
 def sinkhorn_(comb, iters, eps):
     """comb [T, n, n] float32, contiguous: Sinkhorn normalisation in place."""
     _lib.lane_sinkhorn_(comb.data_ptr(), comb.shape[0], comb.shape[1], iters, eps, torch.get_num_threads())

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lane.model_executor.layers import cpu_kernels
+
 _EPS = 1e-5
 
 
@@ -96,7 +98,7 @@ def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         logits = apply_penalties(logits, md)
     for row, ids in md.masked_token_ids.items():
         logits[row, ids] = float("-inf")
-    greedy = logits.argmax(dim=-1)
+    greedy = cpu_kernels.argmax_rows(logits)
     if md.all_greedy:
         tokens = greedy
     else:

@@ -123,3 +123,33 @@ extern "C" void lane_sinkhorn_(float* base, int64_t T, int64_t n, int64_t iters,
     }
   });
 }
+
+namespace {
+
+// torch.argmax's answer for one row: the first NaN if there is one, else the first maximum
+template <typename T>
+int64_t argmax_row(const T* x, int64_t V) {
+  float best = -INFINITY;
+  int nan = 0;
+#pragma omp simd reduction(max : best) reduction(| : nan)
+  for (int64_t i = 0; i < V; ++i) {
+    const float v = to_f(x[i]);
+    nan |= v != v;
+    best = v > best ? v : best;
+  }
+  for (int64_t i = 0; i < V; ++i) {
+    const float v = to_f(x[i]);
+    if (nan ? v != v : v == best) return i;
+  }
+  return 0;
+}
+
+}  // namespace
+
+// Greedy sampling: out[r] = argmax of row r of x [rows, V] (torch's is ~1.5 ns an element, a
+// millisecond a step at batch 16 over a 49k vocabulary)
+extern "C" void lane_argmax_rows(const void* x, int dtype, int64_t* out, int64_t rows, int64_t V, int threads) {
+  LANE_DISPATCH(dtype, T, parallel_for(rows, 2, threads, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) out[r] = argmax_row(static_cast<const T*>(x) + r * V, V);
+  }));
+}

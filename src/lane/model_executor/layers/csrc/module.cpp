@@ -23,6 +23,7 @@ void lane_rms_norm_(void*, void*, const void*, int, int64_t, int64_t, float, int
 void lane_rotary_(void*, int, int64_t, int64_t, int64_t, int64_t, const int64_t*, const float*,
                   const float*, int64_t, int);
 void lane_silu_and_mul(const void*, void*, int, int64_t, int64_t, int);
+void lane_argmax_rows(const void*, int, int64_t*, int64_t, int64_t, int);
 void lane_sinkhorn_(float*, int64_t, int64_t, int64_t, float, int);
 void lane_dequant_ggml(const void*, int, int64_t, void*, int, int);
 void lane_quantize_rows_q8(const void*, int, int8_t*, float*, float*, int64_t, int64_t);
@@ -83,7 +84,7 @@ PyObject* wrap(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 #define LANE_DEF(name) {#name, reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(wrap<name>)), METH_FASTCALL, nullptr}
 PyMethodDef methods[] = {
     LANE_DEF(lane_paged_decode_attention), LANE_DEF(lane_paged_prefill_attention), LANE_DEF(lane_cache_write), LANE_DEF(lane_llama_decode_layers), LANE_DEF(lane_small_m_linear), LANE_DEF(lane_rms_norm_),
-    LANE_DEF(lane_rotary_), LANE_DEF(lane_silu_and_mul), LANE_DEF(lane_sinkhorn_),
+    LANE_DEF(lane_rotary_), LANE_DEF(lane_silu_and_mul), LANE_DEF(lane_argmax_rows), LANE_DEF(lane_sinkhorn_),
     LANE_DEF(lane_dequant_ggml), LANE_DEF(lane_quantize_rows_q8), LANE_DEF(lane_quant_block_dots),
     LANE_DEF(lane_quant_linear), LANE_DEF(lane_quantize_per_token_int8), LANE_DEF(lane_int8_scale),
     LANE_DEF(lane_int8_w8a8), LANE_DEF(lane_int8_w8a16), LANE_DEF(lane_int8_dequant), LANE_DEF(lane_bind_threads),

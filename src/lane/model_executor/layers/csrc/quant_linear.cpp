@@ -51,6 +51,47 @@ inline int32_t dot32(const int8_t* a, const int8_t* b) {
 
 }  // namespace
 
+#if defined(__AVX2__)
+namespace {
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const bf16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256 load8(const f16* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+
+// quantize_block_q8 on one block of 32, in registers: the same max, scale and rounding (x *
+// (1 / d) rounded to nearest even), so it writes the same values; returns the block's sum
+template <typename T>
+inline int32_t quantize_block32(const T* x, int8_t* q, float& d_out) {
+  __m256 v[4], a = _mm256_setzero_ps();
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  for (int i = 0; i < 4; ++i) {
+    v[i] = load8(x + 8 * i);
+    a = _mm256_max_ps(_mm256_andnot_ps(sign, v[i]), a);  // a NaN lane keeps a, as fmaxf does
+  }
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  const float amax = _mm_cvtss_f32(m);
+  const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+  d_out = d;
+  __m256i qi[4];
+  for (int i = 0; i < 4; ++i) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)));
+  const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  const __m256i s8 = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+  return _mm_cvtsi128_si32(s);
+}
+
+}  // namespace
+#endif
+
 void lane::quantize_rows_q8(const void* x, int x_dtype, int8_t* q, float* d, float* s, int32_t* isum, int64_t M,
                             int64_t K) {
   const int64_t nb = K / kBlock;
@@ -59,9 +100,14 @@ void lane::quantize_rows_q8(const void* x, int x_dtype, int8_t* q, float* d, flo
     for (int64_t m = 0; m < M; ++m)
       for (int64_t b = 0; b < nb; ++b) {
         int8_t* qb = q + m * K + b * kBlock;
+#if defined(__AVX2__)
+        float scale;
+        const int32_t sum = quantize_block32(xp + m * K + b * kBlock, qb, scale);
+#else
         const float scale = quantize_block_q8(xp + m * K + b * kBlock, kBlock, qb);
         int32_t sum = 0;
         for (int i = 0; i < kBlock; ++i) sum += qb[i];
+#endif
         d[m * nb + b] = scale;
         s[m * nb + b] = scale * static_cast<float>(sum);
         if (isum) isum[m * nb + b] = sum;

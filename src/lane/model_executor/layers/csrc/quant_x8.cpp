@@ -1,14 +1,16 @@
 // Linear layers on Q4_0 / Q4_1 / Q8_0 weights repacked at load, 8 rows interleaved
-// (common.h's "x8" layout), for the decode and verify rows (M <= 16). The GGUF layout's
+// (common.h's "x8" layout), for the decode and verify rows (M <= 64). The GGUF layout's
 // kernel (quant_linear.cpp) does a block's float work (fp16 conversions, a scale product, an
 // FMA into one row's sum, a horizontal add per row) for every row; here one register holds 8
-// rows, so that work is done once per 8 rows, and one 32-bit broadcast of 4 activations feeds
-// 8 rows' products (as llama.cpp's Q4_0_8x8 GEMV does):
-//   dot_r = sum_i w_r,i q_x,i (maddubs + madd, or VNNI's dpbusd; u8 x s8, so Q4 takes the
-//           unsigned nibbles and Q8_0 |w| times q_x with w's sign)
+// rows, so that work is done once per 8 rows, and one broadcast of the activations feeds 8
+// rows' products (as llama.cpp's Q4_0_8x8 GEMV does):
+//   dot_r = sum_i w_r,i q_x,i (u8 x s8: maddubs + madd, or VNNI's dpbusd. Q4 takes the unsigned
+//           nibbles; Q8_0 |w| times q_x with w's sign (maddubs), or q_x + 128 times w less
+//           128 sum w (dpbusd))
 //   Q4_1: y_r += d_r d_x dot_r + m_r s_x     Q4_0: y_r += d_r d_x (dot_r - 8 sum q_x)
 //   Q8_0: y_r += d_r d_x dot_r
-// Q4_0's offset is taken in int32, so every block's integer dot product is exact.
+// Every block's integer dot product is exact (the offsets are taken in int32). With AVX-512
+// VNNI two blocks share a 512-bit register (pair_row), which halves each row's instructions.
 #include "common.h"
 
 #if defined(__AVX2__)
@@ -20,6 +22,15 @@ namespace {
 using namespace lane;
 
 constexpr int kBlock = 32;
+
+// Decode streams the weights from DRAM once a step, and at 2+ rows a block's arithmetic is long
+// enough that the out-of-order window no longer keeps enough of the stream in flight: asking
+// for the bytes 4 KiB ahead made M = 1..4 steps 1.3x faster on Sapphire Rapids (the kernels'
+// own reads follow in order, so the hardware prefetcher alone lags).
+constexpr int64_t kPrefetchAhead = 4096;
+inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + kPrefetchAhead + i);
+}
 
 inline int64_t group_block_bytes(int qtype) { return kX8Rows * ggml_block_bytes(qtype); }
 
@@ -96,50 +107,272 @@ struct Q8 {
   }
 };
 
-#define LANE_X8_VNNI __attribute__((target("avx512f,avx512vl,avx512vnni")))
-struct Q4Vnni : Q4 {
-  LANE_X8_VNNI static inline __m256i dots(const W& w, const int8_t* xq) {
-    __m256i s = _mm256_setzero_si256(), t = _mm256_setzero_si256();  // two chains: dpbusd's latency
+// AVX-512 VNNI: two blocks in one 512-bit register, so each row's dot products, conversion
+// and FMAs are half as many instructions as one block in 256 bits (zmm dpbusd issues as often
+// as ymm here). Lane 2r holds row r's block b, lane 2r + 1 its block b + 1: a 64-bit broadcast
+// of the activations' paired chunks (pair_rows) feeds all 16 lanes, and the two halves of a
+// row's sum meet once, at the end. An odd last block pairs with zeros.
+#define LANE_X8_VNNI __attribute__((target("avx512f,avx512vl,avx512vnni,avx512bw,avx512dq")))
+
+// Activations for the pair kernel, per input row and block pair p (blocks 2p, 2p + 1):
+// xp 64 bytes (chunk c of both blocks: 4 + 4 bytes, c = 0..7; Q8_0's offset by +128 to u8),
+// dp / sp / ip two floats or ints each (d_x, s_x and Q4_0's 8 * sum q_x of the two blocks).
+struct Pairs {
+  uint8_t* xp;
+  float *dp, *sp;
+  int32_t* ip;
+  int64_t np;
+};
+
+inline Pairs pair_rows(int qtype, const int8_t* qx, const float* dx, const float* sx, const int32_t* isum, int64_t M,
+                       int64_t K) {
+  const int64_t nb = K / kBlock, np = (nb + 1) / 2;
+  Pairs p{scratch<uint8_t, 1>(M * np * 64), scratch<float, 5>(4 * M * np), nullptr, scratch<int32_t, 1>(2 * M * np),
+          np};
+  p.sp = p.dp + 2 * M * np;
+  const uint32_t flip = qtype == kQ8_0 ? 0x80808080u : 0u;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t j = 0; j < np; ++j) {
+      const int64_t o = m * np + j;
+      for (int h = 0; h < 2; ++h) {
+        const int64_t b = 2 * j + h;
+        const bool real = b < nb;
+        for (int c = 0; c < 8; ++c) {  // 4 bytes at a time: byte stores would stall the kernel's loads
+          uint32_t v = 0;
+          if (real) std::memcpy(&v, qx + m * K + b * kBlock + 4 * c, 4);
+          v = real ? v ^ flip : 0u;
+          std::memcpy(p.xp + o * 64 + 8 * c + 4 * h, &v, 4);
+        }
+        p.dp[2 * o + h] = real ? dx[m * nb + b] : 0.f;
+        p.sp[2 * o + h] = real ? sx[m * nb + b] : 0.f;
+        p.ip[2 * o + h] = real ? 8 * isum[m * nb + b] : 0;
+      }
+    }
+  return p;
+}
+
+// Two blocks of 8 weight rows, lanes interleaved: w[c] (Q4: lo[0..3], hi[0..3]; Q8_0: the 8
+// signed chunks), scales d, Q4_1's minimums m, Q8_0's 128 * sum(w) per lane (the offset)
+template <int Q>
+struct PairW {
+  __m512i w[8], off;
+  __m512 d, m;
+};
+
+LANE_X8_VNNI inline __m512i interleave(const uint8_t* a, const uint8_t* b) {  // lanes a0 b0 a1 b1 ...
+  const __m512i idx = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a));
+  const __m256i hi = b ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)) : _mm256_setzero_si256();
+  return _mm512_permutex2var_epi32(_mm512_castsi256_si512(lo), idx, _mm512_castsi256_si512(hi));
+}
+
+LANE_X8_VNNI inline __m512 halves(const uint8_t* a, const uint8_t* b) {  // 8 fp16 of each, interleaved
+  const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a));
+  const __m128i y = b ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)) : _mm_setzero_si128();
+  return _mm512_cvtph_ps(_mm256_set_m128i(_mm_unpackhi_epi16(x, y), _mm_unpacklo_epi16(x, y)));
+}
+
+template <int Q>
+LANE_X8_VNNI inline PairW<Q> pair_load(const uint8_t* o0, const uint8_t* o1) {  // o1 null: no second block
+  PairW<Q> p;
+  const int64_t qo = x8_quant_offset(Q);
+  p.d = halves(o0, o1);
+  if (Q == kQ4_1) p.m = halves(o0 + 16, o1 ? o1 + 16 : nullptr);
+  if (Q == kQ8_0) {
+    __m512i s = _mm512_setzero_si512();
+    for (int c = 0; c < 8; ++c) {
+      p.w[c] = interleave(o0 + qo + 32 * c, o1 ? o1 + qo + 32 * c : nullptr);
+      s = _mm512_dpbusd_epi32(s, _mm512_set1_epi8(1), p.w[c]);
+    }
+    p.off = _mm512_slli_epi32(s, 7);
+  } else {
+    const __m512i mask = _mm512_set1_epi8(0x0f);
     for (int c = 0; c < 4; ++c) {
-      s = _mm256_dpbusd_epi32(s, w.lo[c], bcast4(xq + 4 * c));
-      t = _mm256_dpbusd_epi32(t, w.hi[c], bcast4(xq + 16 + 4 * c));
+      const __m512i raw = interleave(o0 + qo + 32 * c, o1 ? o1 + qo + 32 * c : nullptr);
+      p.w[c] = _mm512_and_si512(raw, mask);
+      p.w[4 + c] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
     }
-    return _mm256_add_epi32(s, t);
   }
-};
-struct Q8Vnni : Q8 {
-  LANE_X8_VNNI static inline __m256i dots(const W& w, const int8_t* xq) {
-    __m256i s = _mm256_setzero_si256(), t = _mm256_setzero_si256();
+  return p;
+}
+
+LANE_X8_VNNI inline __m512i bcast8(const uint8_t* p) {
+  int64_t v;
+  std::memcpy(&v, p, 8);
+  return _mm512_set1_epi64(v);
+}
+LANE_X8_VNNI inline __m512 bcast2f(const float* p) {
+  double v;
+  std::memcpy(&v, p, 8);
+  return _mm512_castpd_ps(_mm512_set1_pd(v));
+}
+
+// One row's two blocks: the lanes' int32 dot products (exact), scaled into acc
+template <int Q>
+LANE_X8_VNNI inline __m512 pair_row(const PairW<Q>& w, const uint8_t* xp, const float* dp, const float* sp,
+                                    const int32_t* ip, __m512 acc) {
+  __m512i s = _mm512_setzero_si512(), t = _mm512_setzero_si512();  // two chains: dpbusd's latency
+  if (Q == kQ8_0) {  // (q_x + 128) * w, less 128 * sum(w)
     for (int c = 0; c < 8; c += 2) {
-      s = _mm256_dpbusd_epi32(s, _mm256_abs_epi8(w.q[c]), _mm256_sign_epi8(bcast4(xq + 4 * c), w.q[c]));
-      t = _mm256_dpbusd_epi32(t, _mm256_abs_epi8(w.q[c + 1]), _mm256_sign_epi8(bcast4(xq + 4 * c + 4), w.q[c + 1]));
+      s = _mm512_dpbusd_epi32(s, bcast8(xp + 8 * c), w.w[c]);
+      t = _mm512_dpbusd_epi32(t, bcast8(xp + 8 * c + 8), w.w[c + 1]);
     }
-    return _mm256_add_epi32(s, t);
+    s = _mm512_sub_epi32(s, w.off);
+  } else {  // unsigned nibbles * q_x: chunk c's low nibbles are values 4c.., its high ones 16 + 4c..
+    for (int c = 0; c < 4; ++c) {
+      s = _mm512_dpbusd_epi32(s, w.w[c], bcast8(xp + 8 * c));
+      t = _mm512_dpbusd_epi32(t, w.w[4 + c], bcast8(xp + 32 + 8 * c));
+    }
+    if (Q == kQ4_0) s = _mm512_sub_epi32(s, bcast8(reinterpret_cast<const uint8_t*>(ip)));
   }
-};
+  const __m512i i = _mm512_add_epi32(s, t);
+  acc = _mm512_fmadd_ps(_mm512_mul_ps(w.d, bcast2f(dp)), _mm512_cvtepi32_ps(i), acc);
+  if (Q == kQ4_1) acc = _mm512_fmadd_ps(w.m, bcast2f(sp), acc);
+  return acc;
+}
+
+// The int32 dot products of one row's two blocks (for lane_quant_x8_block_dots)
+template <int Q>
+LANE_X8_VNNI void pair_dots(const uint8_t* o0, const uint8_t* o1, const uint8_t* xp, const int32_t* ip,
+                            int32_t* out) {
+  const PairW<Q> w = pair_load<Q>(o0, o1);
+  __m512i s = _mm512_setzero_si512();
+  if (Q == kQ8_0) {
+    for (int c = 0; c < 8; ++c) s = _mm512_dpbusd_epi32(s, bcast8(xp + 8 * c), w.w[c]);
+    s = _mm512_sub_epi32(s, w.off);
+  } else {
+    for (int c = 0; c < 4; ++c) {
+      s = _mm512_dpbusd_epi32(s, w.w[c], bcast8(xp + 8 * c));
+      s = _mm512_dpbusd_epi32(s, w.w[4 + c], bcast8(xp + 32 + 8 * c));
+    }
+    if (Q == kQ4_0) s = _mm512_sub_epi32(s, bcast8(reinterpret_cast<const uint8_t*>(ip)));
+  }
+  _mm512_storeu_si512(out, s);
+}
+
+// Input rows a pass takes: their 16 accumulators and the pair's 10 weight registers fit the 32
+// zmm registers, and a second pass repeats the weights' unpacking, a fifth of a pass's work
+constexpr int64_t kPairRows = 16;
+
+// How a pass gets a group's unpacked weights: unpacks them (one pass), unpacks and keeps them
+// in the tile (the first of several), or reads the tile (the later ones). Separate code, so
+// the registers of the one never pass through the stack for the other.
+enum TileMode { kUnpack, kFill, kRead };
+
+// One group of 8 weight rows against R input rows
+template <int Q, int R, int Mode, typename T>
+LANE_X8_VNNI inline void pair_group_rows(const uint8_t* gp, int64_t nb, const Pairs& x, int64_t m0,
+                                         const float* bias, T* y, int64_t N, int64_t n0, PairW<Q>* tile) {
+  const int64_t gb = group_block_bytes(Q);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < x.np; ++j) {
+    const uint8_t* o0 = gp + 2 * j * gb;
+    prefetch_ahead(o0, 2 * gb);  // every pass: the stream must not pause while a later pass runs
+    auto rows = [&](const PairW<Q>& w) {
+      for (int r = 0; r < R; ++r) {
+        const int64_t o = (m0 + r) * x.np + j;
+        acc[r] = pair_row<Q>(w, x.xp + 64 * o, x.dp + 2 * o, x.sp + 2 * o, x.ip + 2 * o, acc[r]);
+      }
+    };
+    if constexpr (Mode == kRead) {
+      rows(tile[j]);
+    } else {
+      const PairW<Q> w = pair_load<Q>(o0, 2 * j + 1 < nb ? o0 + gb : nullptr);
+      if constexpr (Mode == kFill) tile[j] = w;
+      rows(w);
+    }
+  }
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 2, 4, 6, 8, 10, 12, 14);
+  for (int r = 0; r < R; ++r) {
+    const __m512 v = _mm512_add_ps(acc[r], _mm512_permute_ps(acc[r], 0xb1));  // lane 2i: row i's two halves
+    __m256 out8 = _mm512_castps512_ps256(_mm512_permutexvar_ps(even, v));
+    if (bias) out8 = _mm256_add_ps(out8, _mm256_loadu_ps(bias + n0));
+    alignas(32) float out[kX8Rows];
+    _mm256_store_ps(out, out8);
+    for (int i = 0; i < kX8Rows; ++i) y[(m0 + r) * N + n0 + i] = from_f<T>(out[i]);
+  }
+}
+
+template <int Q, typename T>
+LANE_X8_VNNI void pair_groups(const uint8_t* wp, const Pairs& x, const float* bias, T* y, int64_t M, int64_t N,
+                              int64_t K, int64_t g0, int64_t g1) {
+  // rows in balanced passes of at most 8 (M = 12: 6 + 6); a group's weights are unpacked once,
+  // so a second pass costs its rows and some loads from L1, not a second unpacking (the cause
+  // of a 1.3x step from M = 8 to 9)
+  const int64_t nb = K / kBlock, passes = (M + kPairRows - 1) / kPairRows;
+  PairW<Q>* tile = passes > 1 ? scratch<PairW<Q>, 0>(x.np) : nullptr;
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* gp = wp + g * nb * group_block_bytes(Q);
+    for (int64_t p = 0, m = 0; p < passes; ++p) {
+      const int64_t r = M / passes + (p < M % passes);
+      switch (r) {
+#define LANE_X8_CASE(R) \
+  case R:                                                                                          \
+    if (passes == 1) pair_group_rows<Q, R, kUnpack, T>(gp, nb, x, m, bias, y, N, g * kX8Rows, tile); \
+    else if (p == 0) pair_group_rows<Q, R, kFill, T>(gp, nb, x, m, bias, y, N, g * kX8Rows, tile);   \
+    else pair_group_rows<Q, R, kRead, T>(gp, nb, x, m, bias, y, N, g * kX8Rows, tile);               \
+    break;
+        LANE_X8_CASE(1) LANE_X8_CASE(2) LANE_X8_CASE(3) LANE_X8_CASE(4)
+        LANE_X8_CASE(5) LANE_X8_CASE(6) LANE_X8_CASE(7) LANE_X8_CASE(8)
+        LANE_X8_CASE(9) LANE_X8_CASE(10) LANE_X8_CASE(11) LANE_X8_CASE(12)
+        LANE_X8_CASE(13) LANE_X8_CASE(14) LANE_X8_CASE(15) LANE_X8_CASE(16)
+#undef LANE_X8_CASE
+      }
+      m += r;
+    }
+  }
+}
+
+template <typename T>
+LANE_X8_VNNI void groups_vnni(const uint8_t* wp, int qtype, const Pairs& x, const float* bias, T* y, int64_t M,
+                              int64_t N, int64_t K, int64_t g0, int64_t g1) {
+  switch (qtype) {
+    case kQ4_0: pair_groups<kQ4_0, T>(wp, x, bias, y, M, N, K, g0, g1); break;
+    case kQ4_1: pair_groups<kQ4_1, T>(wp, x, bias, y, M, N, K, g0, g1); break;
+    default: pair_groups<kQ8_0, T>(wp, x, bias, y, M, N, K, g0, g1);
+  }
+}
 
 // One group of 8 weight rows against R input rows: y[r * N + n0 .. n0 + 8). The kind (Q) is a
 // template argument, so the inner loops carry no branch on it.
+// A block of 8 weight rows unpacked: the quants as F keeps them, the scales and minimums
+template <class F>
+struct BlockW {
+  typename F::W w;
+  __m256 d, m;
+};
+
+// (the tile as in pair_group_rows)
 template <int Q, int R, class F, typename T>
 __attribute__((always_inline)) inline void group_rows(const uint8_t* gp, int64_t nb, const int8_t* qx,
                                                       const float* dx, const float* sx, const int32_t* isum,
-                                                      int64_t K, const float* bias, T* y, int64_t N, int64_t n0) {
+                                                      int64_t K, const float* bias, T* y, int64_t N, int64_t n0,
+                                                      BlockW<F>* tile, bool fill) {
   const int64_t gb = group_block_bytes(Q), qo = x8_quant_offset(Q);
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
+    BlockW<F> u;
     const uint8_t* o = gp + b * gb;
-    const typename F::W w = F::load(o + qo);
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o)));
+    prefetch_ahead(o, gb);
+    if (fill) {
+      u.w = F::load(o + qo);
+      u.d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o)));
+      if (Q == kQ4_1) u.m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 16)));
+      if (tile) tile[b] = u;
+    } else {
+      u = tile[b];
+    }
+    const typename F::W& w = u.w;
+    const __m256 d = u.d;
     for (int r = 0; r < R; ++r) {
       __m256i i = F::dots(w, qx + r * K + b * kBlock);
       if (Q == kQ4_0) i = _mm256_sub_epi32(i, _mm256_set1_epi32(8 * isum[r * nb + b]));
       acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(dx[r * nb + b])), _mm256_cvtepi32_ps(i), acc[r]);
     }
-    if (Q == kQ4_1) {
-      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 16)));
-      for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[r * nb + b]), acc[r]);
-    }
+    if (Q == kQ4_1)
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(u.m, _mm256_set1_ps(sx[r * nb + b]), acc[r]);
   }
   for (int r = 0; r < R; ++r) {
     if (bias) acc[r] = _mm256_add_ps(acc[r], _mm256_loadu_ps(bias + n0));
@@ -154,6 +387,7 @@ __attribute__((always_inline)) inline void groups(const uint8_t* wp, const int8_
                                                   const float* sx, const int32_t* isum, const float* bias, T* y,
                                                   int64_t M, int64_t N, int64_t K, int64_t g0, int64_t g1) {
   const int64_t nb = K / kBlock, passes = (M + 7) / 8;  // balanced passes of at most 8 rows
+  BlockW<F>* tile = passes > 1 ? scratch<BlockW<F>, 0>(nb) : nullptr;
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* gp = wp + g * nb * group_block_bytes(Q);
     for (int64_t p = 0, m = 0; p < passes; ++p) {
@@ -165,7 +399,7 @@ __attribute__((always_inline)) inline void groups(const uint8_t* wp, const int8_
       const int64_t n0 = g * kX8Rows;
       switch (r) {
 #define LANE_X8_CASE(R) \
-  case R: group_rows<Q, R, F, T>(gp, nb, q, d, s, is, K, bias, yr, N, n0); break;
+  case R: group_rows<Q, R, F, T>(gp, nb, q, d, s, is, K, bias, yr, N, n0, tile, p == 0); break;
         LANE_X8_CASE(1) LANE_X8_CASE(2) LANE_X8_CASE(3) LANE_X8_CASE(4)
         LANE_X8_CASE(5) LANE_X8_CASE(6) LANE_X8_CASE(7) LANE_X8_CASE(8)
 #undef LANE_X8_CASE
@@ -189,12 +423,6 @@ void groups_avx2(const uint8_t* wp, int qtype, const int8_t* qx, const float* dx
   LANE_X8_GROUPS(Q4, Q8)
 }
 
-template <typename T>
-LANE_X8_VNNI void groups_vnni(const uint8_t* wp, int qtype, const int8_t* qx, const float* dx, const float* sx,
-                              const int32_t* isum, const float* bias, T* y, int64_t M, int64_t N, int64_t K,
-                              int64_t g0, int64_t g1) {
-  LANE_X8_GROUPS(Q4Vnni, Q8Vnni)
-}
 #undef LANE_X8_GROUPS
 
 #endif
@@ -243,6 +471,29 @@ extern "C" void lane_repack_x8(const uint8_t* src, int qtype, uint8_t* dst, int6
 extern "C" void lane_quant_x8_block_dots(const int8_t* qx, const uint8_t* w, int qtype, int32_t* dots, int64_t M,
                                          int64_t N, int64_t K) {
   const int64_t nb = K / kBlock, gb = group_block_bytes(qtype), qo = x8_quant_offset(qtype);
+  std::vector<int32_t> isum(M * nb);
+  for (int64_t i = 0; i < M * nb; ++i)
+    for (int j = 0; j < kBlock; ++j) isum[i] += qx[i * kBlock + j];
+#if defined(__AVX2__)
+  if (use_vnni()) {
+    std::vector<float> unused(M * nb);
+    const Pairs p = pair_rows(qtype, qx, unused.data(), unused.data(), isum.data(), M, K);
+    for (int64_t g = 0; g < N / kX8Rows; ++g)
+      for (int64_t j = 0; j < p.np; ++j)
+        for (int64_t m = 0; m < M; ++m) {
+          const uint8_t* o0 = w + (g * nb + 2 * j) * gb;
+          const uint8_t* o1 = 2 * j + 1 < nb ? o0 + gb : nullptr;
+          const int64_t o = m * p.np + j;
+          int32_t d[2 * kX8Rows];
+          if (qtype == kQ8_0) pair_dots<kQ8_0>(o0, o1, p.xp + 64 * o, p.ip + 2 * o, d);
+          else if (qtype == kQ4_0) pair_dots<kQ4_0>(o0, o1, p.xp + 64 * o, p.ip + 2 * o, d);
+          else pair_dots<kQ4_1>(o0, o1, p.xp + 64 * o, p.ip + 2 * o, d);
+          for (int r = 0; r < kX8Rows; ++r)
+            for (int h = 0; h < 2 && 2 * j + h < nb; ++h) dots[(m * N + g * kX8Rows + r) * nb + 2 * j + h] = d[2 * r + h];
+        }
+    return;
+  }
+#endif
   for (int64_t g = 0; g < N / kX8Rows; ++g)
     for (int64_t b = 0; b < nb; ++b)
       for (int64_t m = 0; m < M; ++m) {
@@ -250,19 +501,13 @@ extern "C" void lane_quant_x8_block_dots(const int8_t* qx, const uint8_t* w, int
         const int8_t* xq = qx + m * K + b * kBlock;
         alignas(32) int32_t d[kX8Rows];
 #if defined(__AVX2__)
-        __m256i v;
-        if (qtype == kQ8_0)
-          v = use_vnni() ? Q8Vnni::dots(Q8::load(o), xq) : Q8::dots(Q8::load(o), xq);
-        else
-          v = use_vnni() ? Q4Vnni::dots(Q4::load(o), xq) : Q4::dots(Q4::load(o), xq);
+        const __m256i v = qtype == kQ8_0 ? Q8::dots(Q8::load(o), xq) : Q4::dots(Q4::load(o), xq);
         _mm256_store_si256(reinterpret_cast<__m256i*>(d), v);
 #else
         dots_scalar(o, qtype, xq, d);
 #endif
-        int32_t sum = 0;
-        for (int i = 0; i < kBlock; ++i) sum += xq[i];
         for (int r = 0; r < kX8Rows; ++r)
-          dots[(m * N + g * kX8Rows + r) * nb + b] = d[r] - (qtype == kQ4_0 ? 8 * sum : 0);
+          dots[(m * N + g * kX8Rows + r) * nb + b] = d[r] - (qtype == kQ4_0 ? 8 * isum[m * nb + b] : 0);
       }
 }
 
@@ -276,11 +521,14 @@ extern "C" void lane_quant_x8_linear(const void* x, int x_dtype, const uint8_t* 
   float* sx = dx + M * nb;
   int32_t* isum = scratch<int32_t, 0>(M * nb);
   quantize_rows_q8(x, x_dtype, qx, dx, sx, isum, M, K);
+#if defined(__AVX2__)
+  const Pairs pairs = use_vnni() ? pair_rows(qtype, qx, dx, sx, isum, M, K) : Pairs{};
+#endif
   LANE_DISPATCH(y_dtype, T, parallel_for(N / kX8Rows, 4, threads, [&](int64_t g0, int64_t g1) {
     T* yp = static_cast<T*>(y);
 #if defined(__AVX2__)
     if (use_vnni())
-      groups_vnni<T>(w, qtype, qx, dx, sx, isum, bias, yp, M, N, K, g0, g1);
+      groups_vnni<T>(w, qtype, pairs, bias, yp, M, N, K, g0, g1);
     else
       groups_avx2<T>(w, qtype, qx, dx, sx, isum, bias, yp, M, N, K, g0, g1);
 #else
