@@ -73,7 +73,7 @@ def main() -> None:
         # between rounds; the step's ratio is the median of those
         ratios = {m: statistics.median(b / a for a, b in zip(per_round[m], per_round[m + 1])) for m in range(1, 16)}
         worst = max(ratios, key=ratios.get)
-        print(f"  M -> M+1: " + " ".join(f"{m}:{r:.2f}" for m, r in ratios.items()))
+        print("  M -> M+1: " + " ".join(f"{m}:{r:.2f}" for m, r in ratios.items()))
         print(f"  worst step M={worst} -> {worst + 1}: {ratios[worst]:.2f}x (target <= 1.15)")
         out[cfg] = {"ms_per_step": {m: round(v, 2) for m, v in steps.items()},
                     "step_ratio": {m: round(r, 3) for m, r in ratios.items()},
