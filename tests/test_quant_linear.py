@@ -84,6 +84,21 @@ def check_kernels(shapes=((37, 96), (64, 576))) -> dict:
                     rel = rel_to_terms(cpu_kernels.quant_linear(x, x8, kind, N, x8=True), terms)
                     worst = max(worst, rel)
                     assert rel < 1e-6, ("x8", kind, N, K, M, rel)
+                # half-precision rows: the same fp32 sums, rounded once to the row's dtype (to
+                # nearest even: exact on the vector paths; the generic build's compiler may sum
+                # the float and half instances in different orders, so there within an ulp)
+                for dt in (torch.bfloat16, torch.float16):
+                    xh = x.to(dt)
+                    for w, packed in ((blocks, False), (x8, True)) if x8 is not None else ((blocks, False),):
+                        y = cpu_kernels.quant_linear(xh, w, kind, N, x8=packed)
+                        ref = cpu_kernels.quant_linear(xh.float(), w, kind, N, x8=packed).to(dt)
+                        assert y.dtype == dt
+                        if cpu_kernels.isa() != "generic":
+                            assert torch.equal(y, ref), (kind, N, K, M, dt, packed)
+                        else:
+                            r32 = ref.float()
+                            tol = torch.finfo(dt).eps * r32.abs() + 1e-6 * r32.abs().max()  # (cancellation)
+                            assert ((y.float() - r32).abs() <= tol).all(), (kind, N, K, M, dt, packed)
     return {"isa": cpu_kernels.isa(), "worst": worst}
 
 
