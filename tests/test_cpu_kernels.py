@@ -57,16 +57,17 @@ def test_paged_decode_attention_one_kv_head_splits_query_heads(dtype, tol):
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 13, 32])
 @pytest.mark.parametrize("bias", [False, True])
-def test_small_m_linear(dtype, tol, m, bias):
+@pytest.mark.parametrize("n,k", [(200, 96), (203, 100)])  # fp32: 4-row blocks, whole vectors, and tails
+def test_small_m_linear(dtype, tol, m, bias, n, k):
     torch.manual_seed(m)
-    w = torch.randn(200, 96).to(dtype)
-    b = torch.randn(200).to(dtype) if bias else None
-    x = torch.randn(m, 96).to(dtype)
+    w = torch.randn(n, k).to(dtype)
+    b = torch.randn(n).to(dtype) if bias else None
+    x = torch.randn(m, k).to(dtype)
     ref = F.linear(x.float(), w.float(), None if b is None else b.float())
     out = cpu_kernels.small_m_linear(x, w, b)
-    assert out.dtype == dtype and out.shape == (m, 200)
+    assert out.dtype == dtype and out.shape == (m, n)
     torch.testing.assert_close(out.float(), ref, atol=tol * 10, rtol=tol)
 
 

@@ -18,7 +18,7 @@ from lane import tracing
 from lane.attention.metadata import PagedAttentionMetadata
 from lane.model_executor.layers import cpu_kernels
 from lane.model_executor.layers.attention import Attention
-from lane.model_executor.layers.linear import SMALL_M, UPCAST_ROWS, Linear, fast_cpu_gemm, quant_rows
+from lane.model_executor.layers.linear import Linear, dense_rows, quant_rows
 from lane.tracing import Step
 
 ENABLED = os.environ.get("LANE_FUSED_DECODE", "1") != "0"
@@ -47,7 +47,7 @@ def _linear_record(lin: Linear, dtype: torch.dtype, keep: list) -> tuple[list[in
             raise Unsupported("a non-contiguous dense weight, or a dtype the kernels do not run")
         bias = None if lin.bias is None else lin.bias.detach().to(w.dtype).contiguous()
         fmt = _DENSE
-        rows = SMALL_M if fast_cpu_gemm(w.dtype) else UPCAST_ROWS
+        rows = dense_rows(w.dtype)
     keep += [w, bias]
     return [fmt, w.data_ptr(), code, 0 if bias is None else bias.data_ptr(), lin.out_features, lin.in_features], rows
 
