@@ -106,6 +106,7 @@ void tile_f32(const float* w, const float* x, float* y, int64_t M, int64_t N, in
     const int64_t chunks = (M + C - 1) / C;  // balanced: M = 5 runs 3 + 2, not 4 + 1
     for (int64_t m = 0, j = 0; j < chunks; ++j) {
       const int64_t c = M / chunks + (j < M % chunks);
+      // (a chunk has at most C rows: the clamps only keep rows4_f32<3>, <4> out of AVX2 builds)
       if (c == 4) rows4_f32<4 < C ? 4 : C>(w, x + m * K, y + m * N, N, K, n);
       else if (c == 3) rows4_f32<3 < C ? 3 : C>(w, x + m * K, y + m * N, N, K, n);
       else if (c == 2) rows4_f32<2>(w, x + m * K, y + m * N, N, K, n);

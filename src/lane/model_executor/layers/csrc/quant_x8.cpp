@@ -227,10 +227,9 @@ LANE_X8_VNNI_INLINE __m512 bcast2f(const float* p) {
   return _mm512_castpd_ps(_mm512_set1_pd(v));
 }
 
-// One row's two blocks: the lanes' int32 dot products (exact), scaled into acc
+// One row's two blocks: each lane's int32 dot product (exact)
 template <int Q>
-LANE_X8_VNNI_INLINE __m512 pair_row(const PairW<Q>& w, const uint8_t* xp, const float* dp, const float* sp,
-                                    const int32_t* ip, __m512 acc) {
+LANE_X8_VNNI_INLINE __m512i pair_int_dots(const PairW<Q>& w, const uint8_t* xp, const int32_t* ip) {
   __m512i s = _mm512_setzero_si512(), t = _mm512_setzero_si512();  // two chains: dpbusd's latency
   if (Q == kQ8_0) {  // (q_x + 128) * w, less 128 * sum(w)
     for (int c = 0; c < 8; c += 2) {
@@ -245,8 +244,14 @@ LANE_X8_VNNI_INLINE __m512 pair_row(const PairW<Q>& w, const uint8_t* xp, const 
     }
     if (Q == kQ4_0) s = _mm512_sub_epi32(s, bcast8(reinterpret_cast<const uint8_t*>(ip)));
   }
-  const __m512i i = _mm512_add_epi32(s, t);
-  acc = _mm512_fmadd_ps(_mm512_mul_ps(w.d, bcast2f(dp)), _mm512_cvtepi32_ps(i), acc);
+  return _mm512_add_epi32(s, t);
+}
+
+// ... scaled into acc
+template <int Q>
+LANE_X8_VNNI_INLINE __m512 pair_row(const PairW<Q>& w, const uint8_t* xp, const float* dp, const float* sp,
+                                    const int32_t* ip, __m512 acc) {
+  acc = _mm512_fmadd_ps(_mm512_mul_ps(w.d, bcast2f(dp)), _mm512_cvtepi32_ps(pair_int_dots<Q>(w, xp, ip)), acc);
   if (Q == kQ4_1) acc = _mm512_fmadd_ps(w.m, bcast2f(sp), acc);
   return acc;
 }
@@ -255,19 +260,7 @@ LANE_X8_VNNI_INLINE __m512 pair_row(const PairW<Q>& w, const uint8_t* xp, const 
 template <int Q>
 LANE_X8_VNNI void pair_dots(const uint8_t* o0, const uint8_t* o1, const uint8_t* xp, const int32_t* ip,
                             int32_t* out) {
-  const PairW<Q> w = pair_load<Q>(o0, o1);
-  __m512i s = _mm512_setzero_si512();
-  if (Q == kQ8_0) {
-    for (int c = 0; c < 8; ++c) s = _mm512_dpbusd_epi32(s, bcast8(xp + 8 * c), w.w[c]);
-    s = _mm512_sub_epi32(s, w.off);
-  } else {
-    for (int c = 0; c < 4; ++c) {
-      s = _mm512_dpbusd_epi32(s, w.w[c], bcast8(xp + 8 * c));
-      s = _mm512_dpbusd_epi32(s, w.w[4 + c], bcast8(xp + 32 + 8 * c));
-    }
-    if (Q == kQ4_0) s = _mm512_sub_epi32(s, bcast8(reinterpret_cast<const uint8_t*>(ip)));
-  }
-  _mm512_storeu_si512(out, s);
+  _mm512_storeu_si512(out, pair_int_dots<Q>(pair_load<Q>(o0, o1), xp, ip));
 }
 
 // Input rows a pass takes: their 16 accumulators and the pair's 10 weight registers fit the 32
@@ -315,9 +308,9 @@ LANE_X8_VNNI inline void pair_group_rows(const uint8_t* gp, int64_t nb, const Pa
 template <int Q, typename T>
 LANE_X8_VNNI void pair_groups(const uint8_t* wp, const Pairs& x, const float* bias, T* y, int64_t M, int64_t N,
                               int64_t K, int64_t g0, int64_t g1) {
-  // rows in balanced passes of at most 8 (M = 12: 6 + 6); a group's weights are unpacked once,
-  // so a second pass costs its rows and some loads from L1, not a second unpacking (the cause
-  // of a 1.3x step from M = 8 to 9)
+  // rows in balanced passes of at most kPairRows (M = 20: 10 + 10); a group's weights are
+  // unpacked once, so a second pass costs its rows and some loads from L1, not a second
+  // unpacking (the cause of a 1.3x step from M = 8 to 9 when passes took 8 rows)
   const int64_t nb = K / kBlock, passes = (M + kPairRows - 1) / kPairRows;
   PairW<Q>* tile = passes > 1 ? scratch<PairW<Q>, 0>(x.np) : nullptr;
   for (int64_t g = g0; g < g1; ++g) {
