@@ -146,17 +146,87 @@ class SchedulerConfig:
             raise ValueError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
 
 
+EXECUTOR_BACKENDS = ("mp", "ray")
+
+
+@dataclass
+class ParallelConfig:
+    """How one engine replica's model is split (vLLM's names). The world of a replica is its
+    tensor-parallel ranks; with ``enable_expert_parallel`` the same ranks hold whole experts
+    (ep = tp) instead of slices of every expert. Data-parallel replicas are separate engines."""
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    distributed_executor_backend: str | None = None  # None: in-process at world 1, else mp
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    worker_timeout: float = 60.0  # seconds a step may take before the engine gives up on its workers
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "data_parallel_size", "nnodes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.distributed_executor_backend not in (None, *EXECUTOR_BACKENDS):
+            raise ValueError(f"--distributed-executor-backend {self.distributed_executor_backend!r} is not one of "
+                             f"{', '.join(EXECUTOR_BACKENDS)}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank {self.node_rank} is not in [0, --nnodes {self.nnodes})")
+        if self.nnodes > 1:
+            if self.tensor_parallel_size % self.nnodes:
+                raise ValueError(f"--nnodes {self.nnodes} does not divide tensor_parallel_size "
+                                 f"{self.tensor_parallel_size} (each node runs the same number of ranks)")
+            if self.data_parallel_size > 1:
+                raise ValueError("--nnodes > 1 spreads one replica's ranks over machines; with "
+                                 "--data-parallel-size > 1 start one lane serve per replica")
+            if self.distributed_executor_backend == "ray":
+                raise ValueError("--nnodes is for the mp backend; with ray the cluster places the workers")
+        if not 0 < self.master_port < 65534:
+            raise ValueError(f"--master-port must be in [1, 65533], got {self.master_port}")
+        if self.worker_timeout <= 0:
+            raise ValueError(f"--worker-timeout must be > 0, got {self.worker_timeout}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size
+
+    @property
+    def ep_size(self) -> int:
+        return self.tensor_parallel_size if self.enable_expert_parallel else 1
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+    @property
+    def backend(self) -> str:
+        """"uni" (the engine's own process), "mp" or "ray"."""
+        if self.distributed_executor_backend is None:
+            return "uni" if self.world_size == 1 else "mp"
+        return self.distributed_executor_backend
+
+    def check_model(self, hf_config) -> None:
+        """Refuse a layout this model cannot be split into, with the numbers."""
+        from lane.distributed.layout import check_layout
+
+        check_layout(hf_config, self.tensor_parallel_size, self.enable_expert_parallel)
+
+
 @dataclass
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     threads: int | None = None
     load_threads: int = 4
     show_progress: bool = True
+    engine_args: "EngineArgs | None" = None  # what made it: worker processes make theirs from it
 
     def __post_init__(self) -> None:
         self.scheduler_config.max_model_len = self.model_config.max_model_len
+        self.parallel_config.check_model(self.model_config.hf_config)
 
 
 class EngineArgsError(ValueError):
@@ -181,6 +251,20 @@ class EngineArgs:
     quantization: str = "auto"
     enable_tracing: bool = False  # record the seed's steps as spans (lane serve --trace)
     trace_layers: bool = False  # one span per layer, not per forward
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    distributed_executor_backend: str | None = None
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    worker_timeout: float = 60.0
+
+    def create_parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(self.tensor_parallel_size, self.data_parallel_size, self.enable_expert_parallel,
+                              self.distributed_executor_backend, self.nnodes, self.node_rank, self.master_addr,
+                              self.master_port, self.worker_timeout)
 
     def create_model_config(self) -> ModelConfig:
         return ModelConfig(self.model, dtype=self.dtype, max_model_len=self.max_model_len, seed=self.seed,
@@ -196,4 +280,4 @@ class EngineArgs:
             CacheConfig(model_config.resolve_block_size(block_size), self.enable_prefix_caching,
                         self.kv_cache_memory_bytes),
             SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs),
-            threads=self.threads, show_progress=self.show_progress)
+            self.create_parallel_config(), threads=self.threads, show_progress=self.show_progress, engine_args=self)

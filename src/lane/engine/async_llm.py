@@ -56,6 +56,7 @@ class AsyncLLM:
         self.client.launch()
         try:
             self.model_config = args.create_model_config()
+            args.create_parallel_config().check_model(self.model_config.hf_config)
         except (ValueError, FileNotFoundError, TypeError) as e:  # a bad flag: the engines fail on it too
             self.client.shutdown()
             raise EngineArgsError(str(e)) from None

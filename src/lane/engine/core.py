@@ -23,7 +23,7 @@ from lane.logger import configure_process_logging
 from lane.metrics.stats import SchedulerStats
 from lane.tracing import DECODE_STEP, Step, skipped_steps, tracer
 from lane.model_executor.layers import cpu_kernels
-from lane.worker.worker import Worker
+from lane.executor import Executor
 
 logger = logging.getLogger(__name__)
 
@@ -42,15 +42,15 @@ class EngineCore:
     def __init__(self, config: EngineConfig, own_process: bool = False) -> None:
         t0 = time.perf_counter()
         self.config = config
-        self.worker = Worker(config, own_process)
+        self.executor = Executor.create(config, own_process)
         cc = config.cache_config
         t_pool = time.monotonic()
-        self.kv_cache_config = kv = self.worker.initialize_kv_cache()  # handed to the scheduler as it is
+        self.kv_cache_config = kv = self.executor.initialize_kv_cache()  # handed to the scheduler as it is
         if tracer.enabled:  # step 8
             tracer.record(Step.KV_INIT_POOL, t_pool, time.monotonic(), blocks=kv.num_blocks[0] - 1,
                           block_size=kv.block_size, groups=[g.kind for g in kv.groups],
                           budget_mib=round(cc.budget_bytes() / 2**20, 1))
-        self.warmup_s = self.worker.warmup()
+        self.warmup_s = self.executor.warmup()
         self.scheduler = Scheduler(config.scheduler_config, kv, cc.enable_prefix_caching,
                                    config.model_config.eos_token_ids, log_events=tracer.enabled)
         self.kv_cache_bytes = kv.total_bytes
@@ -63,7 +63,7 @@ class EngineCore:
         mc = config.model_config
         logger.info("Model %s: %s, dtype %s, %d threads, CPU kernels %s, max_model_len %d",
                     mc.short_name, mc.architectures[0] if mc.architectures else "?",
-                    str(mc.dtype).removeprefix("torch."), self.worker.threads,
+                    str(mc.dtype).removeprefix("torch."), self.executor.threads,
                     f"on ({cpu_kernels.isa()})" if cpu_kernels.available() else "off", mc.max_model_len)
         others = "".join(f" + a sliding-window pool of {n - 1} blocks ({g.sliding_window}-token windows)"
                          if g.kind == SLIDING_WINDOW else f" + {n - 1} running-state slots"
@@ -73,6 +73,24 @@ class EngineCore:
                     kv.num_blocks[0] - 1, kv.block_size, (kv.num_blocks[0] - 1) * kv.block_size, others,
                     self.kv_cache_bytes / 2**20, cc.budget_bytes() / 2**20,
                     "on" if cc.enable_prefix_caching else "off", self.init_s)
+
+    @property
+    def worker(self):
+        """The in-process Worker of a one-rank engine (None when the ranks are processes)."""
+        return self.executor.driver_worker
+
+    @property
+    def transport(self) -> str:
+        pc = self.config.parallel_config
+        if pc.backend == "uni":
+            return "in-process call (TP=1)"
+        if pc.backend == "ray":
+            return f"Ray actor calls to {pc.world_size} ranks"
+        return (f"shared-memory broadcast to {pc.ranks_per_node} local ranks"
+                + (f", ZeroMQ to {pc.world_size - pc.ranks_per_node} on other nodes" if pc.nnodes > 1 else ""))
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
 
     @property
     def max_model_len(self) -> int:
@@ -102,7 +120,7 @@ class EngineCore:
         so = self.scheduler.schedule()
         if so.is_empty:
             return []
-        return self.scheduler.update_from_output(so, self.worker.execute_model(so))
+        return self.scheduler.update_from_output(so, self.executor.execute_model(so))
 
     def _traced_step(self) -> list[EngineCoreOutput]:
         """step() recording the engine's spans; a decoding request sees an engine-level
@@ -127,8 +145,8 @@ class EngineCore:
 
         both(Step.SCHEDULER_SCHEDULE, t0, t1, running=len(self.scheduler.running), waiting=len(self.scheduler.waiting))
         t2 = time.monotonic()
-        both(Step.ENGINE_DISPATCH, t1, t2, transport="in-process call (TP=1)")
-        runner_output = self.worker.execute_model(so)
+        both(Step.ENGINE_DISPATCH, t1, t2, transport=self.transport)
+        runner_output = self.executor.execute_model(so)
         t3 = time.monotonic()
         last = tracer.spans[-1] if tracer.spans else None
         both(Step.WORKER_RETURN, last.start + last.dur if last is not None and last.step == Step.RUNNER_SAMPLE
@@ -165,9 +183,10 @@ class EngineCoreProc:
                          name="EngineCoreInput").start()
         self._send(EngineCoreOutputType.READY, EngineReady(
             engine_index, os.getpid(), kv.num_blocks[0] - 1, kv.block_size, self.core.kv_cache_bytes,
-            config.cache_config.enable_prefix_caching, self.core.worker.threads,
+            config.cache_config.enable_prefix_caching, self.core.executor.threads,
             tracer.drain() if tracer.enabled else None,
-            skipped_steps(config.model_config.hf_config) if tracer.enabled else None))
+            skipped_steps(config.model_config.hf_config, config.parallel_config.tensor_parallel_size)
+            if tracer.enabled else None))
         self._last_stats: SchedulerStats | None = None
         # Fault injection, for tests only: LANE_FAULT_INJECT=step:N makes this process's N-th
         # step raise (a ValueError, the kind a bad configuration also raises at start-up), so
@@ -267,4 +286,6 @@ def run_engine_core(args, engine_index: int, input_address: str, output_address:
         pass
     except BaseException:  # the frontend's watchdog sees the exit: its requests fail, /health 503
         logger.exception("Engine core %d stopped on a runtime error while serving", engine_index)
+        proc.core.shutdown()
         sys.exit(1)
+    proc.core.shutdown()

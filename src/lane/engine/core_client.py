@@ -93,7 +93,7 @@ class AsyncMPClient:
         self.input_sockets = []
         cpu_sets = split_cpus(self.num_engines)
         threads = self.args.threads
-        if threads is None and self.num_engines > 1:
+        if threads is None and self.num_engines > 1 and self.args.tensor_parallel_size == 1:
             threads = max(1, available_cpus() // self.num_engines)
         ctx = multiprocessing.get_context("spawn")
         for i in range(self.num_engines):

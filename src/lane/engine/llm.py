@@ -27,10 +27,21 @@ class LLM:
                  enable_prefix_caching: bool = True, max_num_batched_tokens: int = 2048,
                  max_num_seqs: int = 128, max_model_len: int | None = None,
                  kv_cache_memory_bytes: int | None = None, seed: int = 0,
-                 threads: int | None = None, show_progress: bool = True, quantization: str = "auto") -> None:
+                 threads: int | None = None, show_progress: bool = True, quantization: str = "auto",
+                 tensor_parallel_size: int = 1, data_parallel_size: int = 1, enable_expert_parallel: bool = False,
+                 distributed_executor_backend: str | None = None, nnodes: int = 1, node_rank: int = 0,
+                 master_addr: str = "127.0.0.1", master_port: int = 29500, worker_timeout: float = 60.0) -> None:
+        if data_parallel_size != 1:
+            raise ValueError(f"data_parallel_size {data_parallel_size}: offline LLM runs one replica; "
+                             f"serve replicas with lane serve --data-parallel-size")
+        if node_rank:
+            raise ValueError("node_rank > 0 runs workers only: start it with lane serve --headless")
         args = EngineArgs(model, dtype, block_size, enable_prefix_caching, max_num_batched_tokens,
                           max_num_seqs, max_model_len, kv_cache_memory_bytes, seed, threads,
-                          show_progress, quantization)
+                          show_progress, quantization, tensor_parallel_size=tensor_parallel_size,
+                          enable_expert_parallel=enable_expert_parallel,
+                          distributed_executor_backend=distributed_executor_backend, nnodes=nnodes,
+                          master_addr=master_addr, master_port=master_port, worker_timeout=worker_timeout)
         start_cpu_kernel_build()
         self.config = args.create_engine_config()
         self.tokenizer = self.config.model_config.get_tokenizer()
@@ -41,6 +52,10 @@ class LLM:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def shutdown(self) -> None:
+        """Stop the worker processes (if any); the LLM serves nothing after."""
+        self.engine.shutdown()
 
     # -- requests -------------------------------------------------------------
     def _process(self, prompt: PromptType, params: SamplingParams) -> tuple[str | None, list[int]]:

@@ -44,6 +44,23 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory-bytes", type=parse_bytes, default=None,
                    help="KV cache budget (default: a quarter of free RAM, at most 4 GiB)")
     g.add_argument("--seed", type=int, default=0)
+    d = p.add_argument_group("parallelism")
+    d.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks each model replica is split over (attention heads, FFN, experts, vocabulary)")
+    d.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="model replicas, each its own engine with its own tensor-parallel ranks (lane serve)")
+    d.add_argument("--enable-expert-parallel", action="store_true",
+                   help="the tensor-parallel ranks hold whole experts (num_experts / tp each), not a slice of each")
+    d.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default=None,
+                   help="mp (default past one rank): a process per rank; ray: Ray actors on a running cluster")
+    d.add_argument("--nnodes", type=int, default=1, help="machines one replica's ranks span (mp backend)")
+    d.add_argument("--node-rank", type=int, default=0, help="this machine's index among --nnodes")
+    d.add_argument("--master-addr", default="127.0.0.1", help="node 0's address (torch.distributed rendezvous)")
+    d.add_argument("--master-port", type=int, default=29500,
+                   help="node 0's rendezvous port with --nnodes > 1 (+1 and +2 carry the engine's messages); "
+                        "one machine picks free ports itself")
+    d.add_argument("--worker-timeout", type=float, default=60.0,
+                   help="seconds a step may take on the workers before the engine fails")
 
 
 def engine_args(args: argparse.Namespace, show_progress: bool = True):
@@ -57,7 +74,11 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 enable_prefix_caching=args.enable_prefix_caching,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                 max_model_len=args.max_model_len, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-                seed=args.seed, quantization=args.quantization)
+                seed=args.seed, quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size,
+                data_parallel_size=args.data_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
+                distributed_executor_backend=args.distributed_executor_backend, nnodes=args.nnodes,
+                node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
+                worker_timeout=args.worker_timeout)
 
 
 def cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -106,8 +127,20 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         eargs = engine_args(args)
         eargs.enable_tracing, eargs.trace_layers = args.trace or args.trace_layers, args.trace_layers
+        pc = eargs.create_parallel_config()
     except (ValueError, FileNotFoundError, TypeError) as e:
         parser.error(str(e))
+    if args.headless != (pc.node_rank > 0):
+        parser.error("--headless goes with --node-rank > 0 (node 0 runs the engine and the API server)"
+                     if args.headless else f"--node-rank {pc.node_rank} runs workers only: add --headless")
+    if args.headless:
+        from lane.executor.multiproc_executor import run_headless
+
+        signal.signal(signal.SIGINT, lambda *_: sys.exit(0))
+        try:
+            return run_headless(eargs)
+        except (ValueError, FileNotFoundError) as e:
+            parser.error(str(e))
     # uvicorn traps SIGTERM, drains, then re-raises it at the handler found before it:
     # make that one an orderly exit, so serve() still stops the engine processes
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
@@ -197,8 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--served-model-name", nargs="+", default=None,
                      help="names the API accepts for the model (default: the model's file or directory name)")
-    srv.add_argument("--data-parallel-size", "-dp", type=int, default=1,
-                     help="engine-core replicas, each its own process, behind a load balancer")
+    srv.add_argument("--headless", action="store_true",
+                     help="with --nnodes > 1 and --node-rank > 0: run this machine's worker ranks only (no API server)")
     srv.add_argument("--max-num-waiting-requests", type=int, default=1024,
                      help="requests an engine may have waiting; past it new requests get 503 with Retry-After")
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or set LANE_API_KEY)")

@@ -31,12 +31,15 @@ class Tracer:
         self.spans: list[Span] = []
         self.pid = os.getpid()
         self.sink = None  # a callable taking each span at once (the API server's TraceStore)
+        self.rank: int | None = None  # a worker's rank: every span it records carries it
 
     def enable(self, layer_detail: bool = False) -> None:
         self.enabled, self.layer_detail, self.pid = True, layer_detail, os.getpid()
 
     def record(self, step: int, start: float, end: float, request_ids: list[str] | None = None,
                **attrs) -> Span:
+        if self.rank is not None:
+            attrs["rank"] = self.rank
         span = Span(step, start, max(end - start, 0.0), request_ids, attrs, self.pid)
         if self.sink is not None:
             self.sink(span)
@@ -62,12 +65,14 @@ class ForwardProfile:
     def __init__(self) -> None:
         self.acc: dict[int, float] = {}
         self.attrs: dict[int, dict[str, set]] = {}  # step -> attribute -> the values layers gave
+        self.sums: dict[int, dict[str, float]] = {}  # step -> attribute -> summed over layers (bytes moved)
         self.detail: list[tuple[int, float, float, dict]] = []  # (step, start, end, attrs) with --trace-layers
         self.start = self.last = 0.0
 
     def begin(self) -> None:
         self.acc = {}
         self.attrs = {}
+        self.sums = {}
         self.detail = []
         self.start = self.last = time.monotonic()
 
@@ -76,6 +81,12 @@ class ForwardProfile:
         next mark counts from now."""
         self.acc[step] = self.acc.get(step, 0.0) + seconds
         self.last = time.monotonic()
+
+    def count(self, step: int, **numbers: float) -> None:
+        """Numbers summed into a step's span (a collective's bytes and time), without a mark."""
+        sums = self.sums.setdefault(step, {})
+        for k, v in numbers.items():
+            sums[k] = sums.get(k, 0) + v
 
     def mark(self, step: int, **attrs) -> None:
         """``attrs`` describe this layer's piece (e.g. its layer type): per-layer spans
@@ -100,6 +111,7 @@ class ForwardProfile:
         for step in sorted(self.acc):
             dur = self.acc[step]
             seen = {k: ",".join(sorted(map(str, v))) for k, v in self.attrs.get(step, {}).items()}
+            seen.update({k: round(v, 3) if isinstance(v, float) else v for k, v in self.sums.get(step, {}).items()})
             tracer.record(step, t, t + dur, request_ids, layers=1 if step in (32,) else num_layers,
                           placement="summed over layers", **{**step_attrs.get(step, {}), **seen})
             t += dur

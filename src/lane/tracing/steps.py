@@ -104,11 +104,11 @@ def skipped_steps(hf_config, tensor_parallel_size: int = 1, speculative: bool = 
     """Steps this model and set-up never perform, and why (shown greyed in a trace)."""
     moe = any(getattr(hf_config, k, None) for k in ("n_routed_experts", "num_local_experts", "num_experts"))
     out: dict[int, str] = {}
+    out[Step.COMM_SP_SCATTER] = "no sequence parallelism"
+    out[Step.COMM_CP_GATHER] = "no context parallelism"
     if tensor_parallel_size == 1:
         single = "single rank (TP=1): no process groups"
         out.update({Step.DIST_INIT: single, Step.DIST_BIND_GROUPS: single,
-                    Step.COMM_SP_SCATTER: "no sequence parallelism (TP=1)",
-                    Step.COMM_CP_GATHER: "no context parallelism",
                     Step.COMM_FFN_REDUCE: "no expert or tensor parallelism (TP=1)",
                     Step.COMM_LOGITS_GATHER: "vocabulary not sharded (TP=1)"})
     if not getattr(hf_config, "index_topk", None):

@@ -1,8 +1,10 @@
 """Worker: one per rank (the engine-core process itself at TP=1).
 
-Start-up (seed steps 1, 4, 6, 8): threads and dtype, model load, the KV cache
-(specs grouped, pools sized from the memory budget, allocated), warm-up. Then it runs
-SchedulerOutputs, which are data: it needs nothing else from the engine.
+Start-up (seed steps 1, 2, 5, 4, 6, 8): threads and dtype, the process groups (more than one
+rank) handed to the layers, model load (this rank's slice), the KV cache (specs grouped,
+pools sized from the memory budget, allocated), warm-up. Then it runs SchedulerOutputs,
+which are data: it needs nothing else from the engine. Every rank samples the same tokens
+from the same gathered logits with the same seeds, so every rank's InputBatch stays the same.
 """
 from __future__ import annotations
 
@@ -27,12 +29,17 @@ logger = logging.getLogger(__name__)
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, own_process: bool = False) -> None:
-        """``own_process``: this process is the worker's alone (an engine core's), so its threads
-        are pinned to CPUs by default; in a user's process (``LLM``) only on request, since the
-        pinned main thread would hand its one CPU to every thread and process it starts."""
+    def __init__(self, config: EngineConfig, own_process: bool = False, rank: int = 0,
+                 ranks_on_node: int = 1) -> None:
+        """``own_process``: this process is the worker's alone (an engine core's or a worker
+        process), so its threads are pinned to CPUs by default; in a user's process (``LLM``)
+        only on request, since the pinned main thread would hand its one CPU to every thread
+        and process it starts. ``ranks_on_node``: the ranks sharing this machine's KV budget."""
         self.config = config
-        mc = config.model_config
+        self.rank, self.ranks_on_node = rank, ranks_on_node
+        mc, pc = config.model_config, config.parallel_config
+        if tracer.enabled:
+            tracer.rank = rank
         t0 = time.monotonic()
         self.threads = platform.set_threads(config.threads)  # step 1
         on_cpu = mc.device_type.type == "cpu"
@@ -43,7 +50,9 @@ class Worker:
             tracer.record(Step.PLATFORM_INIT, t0, time.monotonic(), device=str(mc.device_type), dtype=str(mc.dtype),
                           threads=self.threads, cpu_isa=platform.cpu_isa() if on_cpu else None, cpu_bind=binding)
         torch.manual_seed(mc.seed)
-        self.model = get_model(mc, config.load_threads, config.show_progress)  # step 4
+        if pc.world_size > 1:
+            self._init_distributed(pc, mc.device_type)
+        self.model = get_model(mc, config.load_threads, config.show_progress and rank == 0)  # step 4
         if on_cpu:
             cpu_kernels.build()
         if binding and cpu_kernels.available():  # after loading: the loader's threads would inherit one CPU
@@ -54,16 +63,55 @@ class Worker:
         self.runner = ModelRunner(self.model, config.cache_config.block_size, mc.dtype, mc.device_type,
                                   config.cache_config.enable_prefix_caching, mc.eos_token_ids)
 
+    def _init_distributed(self, pc, device: torch.device) -> None:
+        """Steps 2 and 5: join the replica's world, hand the groups to the layers built next."""
+        from lane.distributed.parallel_state import init_distributed, set_model_parallel
+
+        t0 = time.monotonic()
+        tp, ep = init_distributed(pc.world_size, self.rank, pc.master_addr, pc.master_port, pc.worker_timeout,
+                                  device, pc.enable_expert_parallel)
+        t1 = time.monotonic()
+        set_model_parallel(tp, ep)
+        if tracer.enabled:
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            tracer.record(Step.DIST_INIT, t0, t1, backend=backend, world=pc.world_size, tp=tp.world_size,
+                          ep=ep.world_size, dp=pc.data_parallel_size, nnodes=pc.nnodes,
+                          rendezvous=f"tcp://{pc.master_addr}:{pc.master_port}")
+            tracer.record(Step.DIST_BIND_GROUPS, t1, time.monotonic(), tp_rank=tp.rank_in_group,
+                          ep_rank=ep.rank_in_group)
+
+    def determine_kv_cache_config(self) -> KVCacheConfig:
+        """This rank's share of the budget (ranks on one machine split it), in blocks: every rank
+        holds the same blocks of its own heads, so rank 0's config fits them all."""
+        cc, sc = self.config.cache_config, self.config.scheduler_config
+        groups = group_kv_cache_specs(self.runner.get_kv_cache_specs())
+        return get_kv_cache_config(groups, cc.budget_bytes() // self.ranks_on_node, sc.max_num_seqs,
+                                   sc.max_num_batched_tokens, sc.max_model_len)
+
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig | None = None) -> KVCacheConfig:
         """Step 8: group the layers' cache tensors by spec, size one pool per group from the
         budget (unless a config is given: another worker's, to match), allocate them."""
-        cc, sc = self.config.cache_config, self.config.scheduler_config
-        if kv_cache_config is None:
-            groups = group_kv_cache_specs(self.runner.get_kv_cache_specs())
-            kv_cache_config = get_kv_cache_config(groups, cc.budget_bytes(), sc.max_num_seqs,
-                                                  sc.max_num_batched_tokens, sc.max_model_len)
+        kv_cache_config = kv_cache_config or self.determine_kv_cache_config()
         self.runner.initialize_kv_cache(kv_cache_config)
         return kv_cache_config
+
+    def weight_bytes(self) -> int:
+        from lane.model_executor.loader import resident_weight_bytes
+
+        return resident_weight_bytes(self.model)
+
+    def expert_counts(self) -> dict[int, list[int]]:
+        """Tokens each expert served on this rank, per MoE layer (summed over ranks by the caller)."""
+        layers = self.model.moe_layers() if hasattr(self.model, "moe_layers") else {}
+        return {i: m.expert_counts.tolist() for i, m in layers.items()}
+
+    def collective_stats(self, reset: bool = True) -> dict[int, tuple[int, int, float]]:
+        """Seed step -> (collectives, bytes, seconds) on this rank since the last call."""
+        from lane.distributed.parallel_state import get_tp_group
+
+        tp = get_tp_group()
+        stats = tp.take_stats() if reset else dict(tp.stats)
+        return {step: (s.calls, s.bytes, s.seconds) for step, s in stats.items()}
 
     def warmup(self) -> float:
         """Step 6: one prefill-shaped forward so oneDNN / MKL pick their kernels now."""

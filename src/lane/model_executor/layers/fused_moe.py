@@ -5,6 +5,13 @@ Experts are computed per expert, not per token: the (token, slot) pairs are sort
 by expert, so each active expert runs one gate/up and one down matmul over all of
 its rows. Every layer counts the tokens each expert served (``expert_counts``):
 the heat that expert load balancing reads.
+
+Over several ranks (vLLM's layout): under tensor parallelism every rank holds a slice of
+every expert's intermediate; with expert parallelism each holds ``num_experts / ep`` whole
+experts and computes only the (token, slot) pairs routed to them. Either way a rank's output
+is a partial sum that the caller all-reduces once, with the shared experts' (seed step 31).
+Every rank of a replica holds every token, so dispatch needs no collective here; the combine
+is that all-reduce (an all-gather + reduce-scatter would move the same bytes).
 """
 from __future__ import annotations
 
@@ -70,23 +77,54 @@ class FusedMoE(nn.Module):
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  swiglu_limit: float | None = None) -> None:
+        from lane.distributed.parallel_state import get_ep_group, get_tp_group
+
         super().__init__()
         self.swiglu_limit = swiglu_limit  # V4 clamps gate (above) and up (both sides)
         self.num_experts = num_experts
         self.top_k = top_k
-        self.intermediate_size = intermediate_size
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
-        # tokens routed to each expert since start-up (or the last reset)
+        tp, ep = get_tp_group(), get_ep_group()
+        # expert parallel: whole experts [expert_start, expert_start + local_experts); else a
+        # 1/tp slice of every expert's intermediate
+        self.ep_size, self.tp_size = ep.world_size, (1 if ep.world_size > 1 else tp.world_size)
+        self.tp_rank = tp.rank_in_group if self.tp_size > 1 else 0
+        self.local_experts = num_experts // self.ep_size
+        self.expert_start = ep.rank_in_group * self.local_experts
+        self.full_intermediate_size = intermediate_size
+        self.intermediate_size = inter = intermediate_size // self.tp_size
+        self.w13 = nn.Parameter(torch.empty(self.local_experts, 2 * inter, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(self.local_experts, hidden_size, inter))
+        # tokens routed to each expert (global ids; a rank counts its own experts) since start-up
         self.register_buffer("expert_counts", torch.zeros(num_experts, dtype=torch.long), persistent=False)
 
-    def weight_shard(self, proj: str, expert: int) -> tuple[str, torch.Tensor]:
-        """Where one expert's checkpoint matrix goes: ``proj`` is "gate", "up" or "down"
-        -> (parameter name, the view to copy into)."""
-        if proj == "down":
-            return "w2", self.w2[expert]
+    def load_expert(self, proj: str, expert: int, tensor: torch.Tensor) -> str:
+        """One expert's checkpoint matrix (``proj`` "gate", "up" or "down") into this rank's
+        weights (nothing for an expert another rank holds); returns the parameter's name."""
+        e = expert - self.expert_start
+        if not 0 <= e < self.local_experts:
+            return "w2" if proj == "down" else "w13"
         inter = self.intermediate_size
-        return "w13", self.w13[expert].narrow(0, inter * (proj == "up"), inter)
+        if proj == "down":
+            dst, src = self.w2[e], tensor.narrow(1, self.tp_rank * inter, inter)
+        else:
+            dst = self.w13[e].narrow(0, inter * (proj == "up"), inter)
+            src = tensor.narrow(0, self.tp_rank * inter, inter)
+        if dst.shape != src.shape:
+            raise ValueError(f"expert {expert} {proj}: checkpoint shape {tuple(tensor.shape)} does not fit "
+                             f"{tuple(dst.shape)} on this rank")
+        with torch.no_grad():
+            dst.copy_(src)
+        return "w2" if proj == "down" else "w13"
+
+    def load_stacked(self, attr: str, tensor: torch.Tensor) -> None:
+        """transformers' stacked tensors (``w13`` [E, 2I, H] gate | up, ``w2`` [E, H, I])."""
+        for e in range(self.num_experts):
+            if attr == "w2":
+                self.load_expert("down", e, tensor[e])
+            else:
+                gate, up = tensor[e].chunk(2, dim=0)
+                self.load_expert("gate", e, gate)
+                self.load_expert("up", e, up)
 
     def quantize_int8(self, activations: bool) -> None:
         """The loaded experts to int8 per (expert, output channel): qw13 / qw2 int8 with fp32
@@ -112,13 +150,17 @@ class FusedMoE(nn.Module):
                            None if sums is None else sums[e])
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        """x [T, H]; topk_weights, topk_ids [T, k] -> [T, H]"""
+        """x [T, H]; topk_weights, topk_ids [T, k] -> [T, H] (this rank's part of the sum)"""
         k = topk_ids.shape[1]
-        flat = topk_ids.reshape(-1)
+        flat, weights = topk_ids.reshape(-1), topk_weights.reshape(-1)
+        token = torch.arange(flat.numel()) // k
+        if self.ep_size > 1:  # the pairs routed to this rank's experts
+            mine = (flat >= self.expert_start) & (flat < self.expert_start + self.local_experts)
+            flat, weights, token = flat[mine] - self.expert_start, weights[mine], token[mine]
         order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts)
-        self.expert_counts += counts
-        token_of = order // k
+        counts = torch.bincount(flat, minlength=self.local_experts)
+        self.expert_counts[self.expert_start:self.expert_start + self.local_experts] += counts
+        token_of = token[order]
         rows = x.index_select(0, token_of)
         out = torch.empty_like(rows)
         start = 0
@@ -127,7 +169,7 @@ class FusedMoE(nn.Module):
                 h = self._act(self._expert("w13", e, rows[start:start + n]))
                 out[start:start + n] = self._expert("w2", e, h)
                 start += n
-        out *= topk_weights.reshape(-1)[order, None].to(out.dtype)
+        out *= weights[order, None].to(out.dtype)
         return torch.zeros_like(x).index_add_(0, token_of, out)
 
     def _act(self, gate_up: torch.Tensor) -> torch.Tensor:

@@ -20,11 +20,13 @@ import torch
 import torch.nn as nn
 
 from lane import tracing
+from lane.distributed.parallel_state import get_tp_group
 from lane.tracing import Step
 from lane.attention.metadata import PagedAttentionMetadata
 from lane.kv_cache_interface import IndexerKeySpec, KVCacheSpec
 from lane.model_executor.layers.attention import CacheLayer, gather_blocks
 from lane.model_executor.layers.linear import Linear
+from lane.model_executor.layers.parallel_linear import ColumnParallelLinear
 from lane.model_executor.layers.rotary_embedding import RotaryEmbedding
 
 _SCORE_CHUNK_ELEMS = 1 << 26  # bounds a prefill chunk's [rows, heads, context] score tensor
@@ -42,15 +44,19 @@ class Indexer(CacheLayer):
     def __init__(self, hidden_size: int, q_lora_rank: int, n_heads: int, head_dim: int, topk: int,
                  rotary: RotaryEmbedding) -> None:
         super().__init__()
-        self.n_heads = n_heads
+        # split by heads over tensor-parallel ranks: each scores with its heads, the scores are
+        # summed (an all-reduce) before the top-k; the one shared key per token is whole on every rank
+        self.tp = get_tp_group()
+        self.n_heads = n_heads // self.tp.world_size
+        self.head_scale = n_heads ** -0.5  # over all heads
         self.head_dim = head_dim
         self.topk = topk
         self.softmax_scale = head_dim ** -0.5
-        self.wq_b = Linear(q_lora_rank, n_heads * head_dim, bias=False)
+        self.wq_b = ColumnParallelLinear(q_lora_rank, n_heads * head_dim, bias=False)
         self.wk = Linear(hidden_size, head_dim, bias=False)
         self.k_norm = nn.LayerNorm(head_dim, eps=1e-6)
         # float32 as in the reference (it steers a discrete choice)
-        self.weights_proj = Linear(hidden_size, n_heads, bias=False, dtype=torch.float32)
+        self.weights_proj = ColumnParallelLinear(hidden_size, n_heads, bias=False, dtype=torch.float32)
         self._rotary = (rotary,)  # shared with the model, not a submodule of this one
         self.k_cache = torch.empty(0)
 
@@ -70,7 +76,7 @@ class Indexer(CacheLayer):
         if kc.numel():
             bs = kc.shape[2]
             kc[md.slot_mapping // bs, 0, md.slot_mapping % bs] = k
-        weights = self.weights_proj(x.float()) * self.n_heads ** -0.5  # [T, H]
+        weights = self.weights_proj(x.float()) * self.head_scale  # [T, H]
         sel = SparseSelection()
         nd = md.num_decodes
         if nd and int(md.decode_context_lens.max()) > self.topk:
@@ -102,4 +108,5 @@ class Indexer(CacheLayer):
     def _scores(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """q [R, H, D], weights [R, H], keys [L, D] or [R, L, D] -> index scores [R, L]"""
         s = torch.relu(torch.matmul(q.float(), keys.float().transpose(-1, -2)) * self.softmax_scale)  # [R, H, L]
-        return torch.matmul(weights.unsqueeze(-2), s).squeeze(-2)
+        return self.tp.all_reduce(torch.matmul(weights.unsqueeze(-2), s).squeeze(-2).contiguous(),
+                                  Step.MODEL_INDEXER_TOPK)

@@ -111,6 +111,19 @@ class GGMLBlocks:
         self.kind, self.shape, self.blocks, self.dtype = kind, tuple(shape), blocks, dtype
         self.dequantized = dequantized
 
+    def narrow(self, dim: int, start: int, length: int) -> "GGMLBlocks | torch.Tensor":
+        """A tensor-parallel rank's slice, copied (the whole weight's blocks can then go): rows
+        as they are; columns (the input dimension) on whole blocks, else dequantized first."""
+        if dim == 0:
+            return GGMLBlocks(self.kind, (length, self.shape[1]), self.blocks[start:start + length].clone(),
+                              self.dtype, self.dequantized)
+        _, values, size = cpu_kernels.GGML_KINDS[self.kind]
+        if start % values or length % values:
+            return self.dequantize().narrow(dim, start, length)
+        cols = slice(start // values * size, (start + length) // values * size)
+        return GGMLBlocks(self.kind, (self.shape[0], length), self.blocks[:, cols].contiguous(), self.dtype,
+                          self.dequantized)
+
     def dequantize(self) -> torch.Tensor:
         import gguf
 

@@ -26,11 +26,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lane import platform, tracing
+from lane.distributed.parallel_state import get_tp_group
 from lane.tracing import Step
 from lane.model_executor.layers.fused_moe import FusedMoE, fused_expert_name, grouped_topk
 from lane.model_executor.layers.indexer import Indexer
 from lane.model_executor.layers.layernorm import RMSNorm
 from lane.model_executor.layers.linear import Linear
+from lane.model_executor.layers.parallel_linear import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
+                                                        VocabParallelEmbedding, reduce_partial)
 from lane.model_executor.layers.rotary_embedding import RotaryEmbedding
 from lane.model_executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
 
@@ -55,25 +58,28 @@ def mla_softmax_scale(config) -> float:
 class DeepseekV2MLAAttention(nn.Module):
     def __init__(self, config, rotary: RotaryEmbedding, use_indexer: bool) -> None:
         super().__init__()
-        H = self.num_heads = config.num_attention_heads
+        tp = get_tp_group()
+        H_all = config.num_attention_heads
+        H = self.num_heads = H_all // tp.world_size  # this rank's heads; the latent cache is whole on every rank
         self.q_lora_rank = getattr(config, "q_lora_rank", None)
         self.kv_lora_rank = config.kv_lora_rank
         self.nope, self.rope_dim = config.qk_nope_head_dim, config.qk_rope_head_dim
         self.v_head_dim = config.v_head_dim
         bias = getattr(config, "attention_bias", False)
         hidden = config.hidden_size
-        q_out = H * (self.nope + self.rope_dim)
+        q_parts = [H_all * self.nope, H_all * self.rope_dim]  # the rows are regrouped at load: every nope, every rope
         if self.q_lora_rank:
             self.fused_qkv_a_proj = Linear(hidden, self.q_lora_rank + self.kv_lora_rank + self.rope_dim, bias=bias)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, 1e-6)
-            self.q_b_proj = Linear(self.q_lora_rank, q_out, bias=False)
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, q_parts, bias=False)
         else:
-            self.q_proj = Linear(hidden, q_out, bias=False)
+            self.q_proj = ColumnParallelLinear(hidden, q_parts, bias=False)
             self.kv_a_proj_with_mqa = Linear(hidden, self.kv_lora_rank + self.rope_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, 1e-6)
         # MLA absorbs its weight into the decode path (absorbed_weights): it stays as loaded
-        self.kv_b_proj = Linear(self.kv_lora_rank, H * (self.nope + self.v_head_dim), bias=False, quantizable=False)
-        self.o_proj = Linear(H * self.v_head_dim, hidden, bias=bias)
+        self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, H_all * (self.nope + self.v_head_dim), bias=False,
+                                              quantizable=False)
+        self.o_proj = RowParallelLinear(H_all * self.v_head_dim, hidden, bias=bias)
         self.rotary = rotary
         attn_cls = platform.select_attention_backend(config).backend.get_impl_cls()  # mla / sparse_mla
         self.attn = attn_cls(H, self.kv_lora_rank, self.nope, self.rope_dim, self.v_head_dim,
@@ -120,8 +126,10 @@ class DeepseekV2MoE(nn.Module):
         self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(E, dtype=torch.float32), requires_grad=False)
         self.experts = FusedMoE(E, self.top_k, hidden, config.moe_intermediate_size)
         n_shared = getattr(config, "n_shared_experts", 0) or 0
-        self.shared_experts = (LlamaMLP(hidden, config.moe_intermediate_size * n_shared, False)
+        # partial sums, like the routed experts': one all-reduce after both (step 31)
+        self.shared_experts = (LlamaMLP(hidden, config.moe_intermediate_size * n_shared, False, reduce=False)
                                if n_shared else None)
+        self.tp = get_tp_group()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x.float(), self.gate.weight)
@@ -133,7 +141,7 @@ class DeepseekV2MoE(nn.Module):
         out = self.experts(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return out
+        return reduce_partial(self.tp, out, Step.COMM_FFN_REDUCE, compute_step=Step.OPS_FFN)
 
 
 def is_moe_layer(config, layer_idx: int) -> bool:
@@ -166,13 +174,13 @@ class DeepseekMTPLayer(DeepseekV2DecoderLayer):
         self.eh_proj = Linear(2 * config.hidden_size, config.hidden_size, bias=False)
         self.shared_head = nn.Module()
         self.shared_head.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.shared_head.head = Linear(config.hidden_size, config.vocab_size, bias=False, quantizable=False)
+        self.shared_head.head = ParallelLMHead(config.hidden_size, config.vocab_size)
 
 
 class DeepseekV2Model(LlamaModel):
     def __init__(self, config, max_position: int) -> None:
         nn.Module.__init__(self)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.rotary = RotaryEmbedding(config, config.qk_rope_head_dim, max_position)
         self.layers = nn.ModuleList(DeepseekV2DecoderLayer(config, self.rotary, i)
                                     for i in range(config.num_hidden_layers))
@@ -206,14 +214,23 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         if name is None:
             return None
         if m := _EXPERT.match(name):  # one expert of a checkpoint's per-expert tensors
-            attr, dst = self.get_submodule(m.group(1)).weight_shard(m.group(3), int(m.group(2)))
-            with torch.no_grad():
-                dst.copy_(tensor)
-            return f"{m.group(1)}.{attr}"
+            return f"{m.group(1)}.{self.get_submodule(m.group(1)).load_expert(m.group(3), int(m.group(2)), tensor)}"
         name = fused_expert_name(name)
+        if name.endswith((".experts.w13", ".experts.w2")):  # transformers' stacked experts
+            module, _, attr = name.rpartition(".")
+            self.get_submodule(module).load_stacked(attr, tensor)
+            return name
         if name.endswith((".q_b_proj.weight", ".q_proj.weight")):
+            # regrouped [every nope | every rope]: each part split by heads on its own
             tensor = self._regroup_q(tensor)
-        elif ".kv_a_proj_with_mqa." in name:
+            module = self.get_submodule(name.rpartition(".")[0])
+            n = self.config.num_attention_heads * self.config.qk_nope_head_dim
+            with torch.no_grad():
+                for part, rows in enumerate((tensor[:n], tensor[n:])):
+                    rows, offset = module.shard(rows, part)
+                    module.weight.narrow(0, offset, rows.shape[0]).copy_(rows)
+            return name
+        if ".kv_a_proj_with_mqa." in name:
             tensor = torch.cat((tensor[:self.config.kv_lora_rank],
                                 self._deinterleave(tensor[self.config.kv_lora_rank:])))
         return super().load_weight(params, name, tensor)

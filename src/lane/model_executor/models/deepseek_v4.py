@@ -24,12 +24,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lane import platform, tracing
+from lane.distributed.parallel_state import get_tp_group
 from lane.tracing import Step
 from lane.model_executor.layers.compressed_attention import (V4AttentionCache, V4RMSNorm, attend_with_sinks,
                                                              rope_tail, unweighted_rms_norm)
 from lane.model_executor.layers.fused_moe import FusedMoE, fused_expert_name
 from lane.model_executor.layers import cpu_kernels
 from lane.model_executor.layers.linear import Linear, linear
+from lane.model_executor.layers.parallel_linear import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
+                                                        VocabParallelEmbedding, reduce_partial, shard_param)
 
 logger = logging.getLogger(__name__)
 
@@ -84,9 +87,13 @@ class CSAIndexer(nn.Module):
 
     def __init__(self, config, rate: int) -> None:
         super().__init__()
-        self.n_heads, self.head_dim, self.topk = config.index_n_heads, config.index_head_dim, config.index_topk
-        self.wq_b = Linear(config.q_lora_rank, self.n_heads * self.head_dim, bias=False)
-        self.weights_proj = Linear(config.hidden_size, self.n_heads, bias=False, dtype=torch.float32)
+        self.tp = get_tp_group()  # split by heads: the ranks' scores are summed before the top-k
+        self.n_heads = config.index_n_heads // self.tp.world_size
+        self.head_scale = config.index_n_heads ** -0.5
+        self.head_dim, self.topk = config.index_head_dim, config.index_topk
+        self.wq_b = ColumnParallelLinear(config.q_lora_rank, config.index_n_heads * self.head_dim, bias=False)
+        self.weights_proj = ColumnParallelLinear(config.hidden_size, config.index_n_heads, bias=False,
+                                                 dtype=torch.float32)
         self.compressor = Compressor(config.hidden_size, self.head_dim, rate, True, config.rms_norm_eps)
 
 
@@ -95,19 +102,23 @@ class DeepseekV4Attention(nn.Module):
         super().__init__()
         self.layer_type = config.layer_types[layer_idx]
         self.rope_kind = "main" if self.layer_type == SWA else "compress"
-        H, d = self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
+        # tensor parallel: query heads and output groups split by rank; the one K = V head, its
+        # window and compressed entries, are whole on every rank
+        n = get_tp_group().world_size
+        H_all, G_all = config.num_attention_heads, config.o_groups
+        H, d = self.num_heads, self.head_dim = H_all // n, config.head_dim
         self.window = config.sliding_window
         self.eps = config.rms_norm_eps
-        self.o_groups = config.o_groups
+        self.o_groups = G_all // n
         self.wq_a = Linear(config.hidden_size, config.q_lora_rank, bias=False)
         self.q_norm = V4RMSNorm(config.q_lora_rank, self.eps)
-        self.wq_b = Linear(config.q_lora_rank, H * d, bias=False)
+        self.wq_b = ColumnParallelLinear(config.q_lora_rank, H_all * d, bias=False)
         self.wkv = Linear(config.hidden_size, d, bias=False)
         self.norm = V4RMSNorm(d, self.eps)
-        # read as grouped matrices (torch.bmm in forward): stays as loaded
-        self.wo_a = Linear(H * d // config.o_groups, config.o_groups * config.o_lora_rank, bias=False,
-                           quantizable=False)
-        self.wo_b = Linear(config.o_groups * config.o_lora_rank, config.hidden_size, bias=False)
+        # read as grouped matrices (torch.bmm in forward): stays as loaded; a rank holds whole groups
+        self.wo_a = ColumnParallelLinear(H_all * d // G_all, G_all * config.o_lora_rank, bias=False,
+                                         quantizable=False)
+        self.wo_b = RowParallelLinear(G_all * config.o_lora_rank, config.hidden_size, bias=False)
         self.attn_sink = nn.Parameter(torch.zeros(H, dtype=torch.float32))
         rate = config.compress_rates[self.layer_type] if self.layer_type != SWA else 0
         self.compressor = (Compressor(config.hidden_size, d, rate, self.layer_type == CSA, self.eps)
@@ -234,10 +245,11 @@ class DeepseekV4Attention(nn.Module):
         idx, n = self.indexer, x.shape[0]
         cos, sin = self._rope[0].cos_sin("compress", pos)
         q = rope_tail(idx.wq_b(q_res).view(n, idx.n_heads, idx.head_dim), cos[:, None], sin[:, None])
-        weights = idx.weights_proj(x.float()) * idx.n_heads ** -0.5  # [rows, H_I]
+        weights = idx.weights_proj(x.float()) * idx.head_scale  # [rows, H_I]
         # relu, then the scale, then the weighted sum over heads: the reference's order
         scores = torch.relu(torch.matmul(q.float(), keys.float().transpose(-1, -2))) * idx.head_dim ** -0.5
-        scores = (scores * weights[..., None]).sum(dim=1).masked_fill(~visible, float("-inf"))
+        scores = idx.tp.all_reduce((scores * weights[..., None]).sum(dim=1).contiguous(), Step.MODEL_INDEXER_TOPK)
+        scores = scores.masked_fill(~visible, float("-inf"))
         top = scores.topk(min(idx.topk, visible.shape[1]), dim=-1).indices
         return torch.zeros_like(visible).scatter_(1, top, True)
 
@@ -326,11 +338,13 @@ class V4Gate(nn.Module):
 
 
 class SharedExpert(nn.Module):
+    """Split by rank like a dense MLP; its partial sum is reduced with the routed experts'."""
+
     def __init__(self, hidden: int, inter: int, limit: float) -> None:
         super().__init__()
-        self.w1 = Linear(hidden, inter, bias=False)
-        self.w3 = Linear(hidden, inter, bias=False)
-        self.w2 = Linear(inter, hidden, bias=False)
+        self.w1 = ColumnParallelLinear(hidden, inter, bias=False)
+        self.w3 = ColumnParallelLinear(hidden, inter, bias=False)
+        self.w2 = RowParallelLinear(inter, hidden, bias=False, reduce=False)
         self.limit = limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -348,11 +362,13 @@ class V4MoE(nn.Module):
         self.experts = FusedMoE(config.n_routed_experts, config.num_experts_per_tok, config.hidden_size, inter,
                                 swiglu_limit=config.swiglu_limit)
         self.shared_experts = SharedExpert(config.hidden_size, inter, config.swiglu_limit)
+        self.tp = get_tp_group()
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x, input_ids)
         tracing.forward_mark()(Step.MODEL_MOE_ROUTE, routing="hash" if self.gate.hashed else "learned")
-        return self.experts(x, weights, ids) + self.shared_experts(x)
+        out = self.experts(x, weights, ids) + self.shared_experts(x)
+        return reduce_partial(self.tp, out, Step.COMM_FFN_REDUCE, compute_step=Step.OPS_FFN)
 
 
 class DeepseekV4Block(nn.Module):
@@ -412,11 +428,11 @@ class DeepseekV4ForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         rope = V4Rope(config)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DeepseekV4Block(config, i, rope) for i in range(config.num_hidden_layers))
         self.hc_head = HyperHead(config.hc_mult, config.hidden_size, config.hc_eps, config.rms_norm_eps)
         self.norm = V4RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.head = Linear(config.hidden_size, config.vocab_size, bias=False, quantizable=False)
+        self.head = ParallelLMHead(config.hidden_size, config.vocab_size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
@@ -442,13 +458,23 @@ class DeepseekV4ForCausalLM(nn.Module):
                 continue
             if m := _EXPERT.match(name):  # w1 = gate, w3 = up, w2 = down
                 proj = {"w1": "gate", "w3": "up", "w2": "down"}[m.group(3)]
-                attr, dst = self.get_submodule(m.group(1)).weight_shard(proj, int(m.group(2)))
-                target = f"{m.group(1)}.{attr}"
-            else:
-                name = fused_expert_name(name)
-                if name not in params:
-                    raise KeyError(f"checkpoint tensor {orig} has no place in DeepseekV4ForCausalLM")
-                target, dst = name, params[name]
+                loaded.add(f"{m.group(1)}.{self.get_submodule(m.group(1)).load_expert(proj, int(m.group(2)), tensor)}")
+                continue
+            name = fused_expert_name(name)
+            if name.endswith((".experts.w13", ".experts.w2")):  # transformers' stacked experts
+                module, _, attr = name.rpartition(".")
+                self.get_submodule(module).load_stacked(attr, tensor)
+                loaded.add(name)
+                continue
+            if name not in params:
+                raise KeyError(f"checkpoint tensor {orig} has no place in DeepseekV4ForCausalLM")
+            target, dst = name, params[name]
+            module_name, _, attr = name.rpartition(".")
+            module = self.get_submodule(module_name)
+            if hasattr(module, "shard"):  # a tensor-parallel layer: this rank's slice
+                tensor, _ = module.shard(tensor, None, attr)
+            elif attr == "attn_sink":  # one per query head
+                tensor = shard_param(dst, tensor)
             if dst.shape != tensor.shape:
                 raise ValueError(f"{orig}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(dst.shape)}")
             with torch.no_grad():

@@ -17,7 +17,10 @@ from lane.tracing import Step
 from lane.model_executor.layers.activation import silu_and_mul
 from lane.model_executor.layers.layernorm import RMSNorm
 from lane.model_executor.layers import cpu_kernels
+from lane.distributed.parallel_state import get_tp_group
 from lane.model_executor.layers.linear import Linear
+from lane.model_executor.layers.parallel_linear import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
+                                                        VocabParallelEmbedding, local_kv_heads, qkv_parallel_linear)
 from lane.model_executor.layers.vocab_embedding import VocabEmbedding
 from lane.model_executor.loader.gguf_loader import GGMLBlocks
 from lane.model_executor.layers.rotary_embedding import RotaryEmbedding
@@ -25,10 +28,14 @@ from lane.model_executor.models.llama_decode import FusedDecode
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, bias: bool) -> None:
+    """gate | up split by rank, down by its input: one all-reduce after (step 31), or none where
+    the caller sums several partials first (``reduce=False``: a MoE's shared experts)."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool, reduce: bool = True) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias)
-        self.down_proj = Linear(intermediate, hidden, bias=bias)
+        self.gate_up_proj = ColumnParallelLinear(hidden, [intermediate, intermediate], bias=bias)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias, reduce_step=Step.COMM_FFN_REDUCE,
+                                           compute_step=Step.OPS_FFN, reduce=reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -40,15 +47,18 @@ class LlamaAttention(nn.Module):
 
     def __init__(self, config, rotary: RotaryEmbedding) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        tp = get_tp_group()
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        self.num_heads = heads // tp.world_size  # this rank's
+        self.num_kv_heads = local_kv_heads(kv_heads, tp)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         qkv_bias = getattr(config, "attention_bias", False) or self.qkv_bias_default
         o_bias = getattr(config, "attention_bias", False)
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.qkv_proj = qkv_parallel_linear(config.hidden_size, self.head_dim, heads, kv_heads, qkv_bias, tp)
+        self.o_proj = RowParallelLinear(heads * self.head_dim, config.hidden_size, bias=o_bias)
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -106,7 +116,7 @@ class LlamaModel(nn.Module):
 
     def __init__(self, config, max_position: int) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         rotary = RotaryEmbedding(config, head_dim, max_position)
         self.rotary = rotary
@@ -149,7 +159,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = self.model_cls(config, max_position or config.max_position_embeddings)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, quantizable=False)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -182,8 +192,12 @@ class LlamaForCausalLM(nn.Module):
             target = ".".join(parts[:-2] + [fused, parts[-1]])
         if target not in params and not isinstance(tensor, GGMLBlocks):
             raise KeyError(f"checkpoint tensor {name} has no place in {type(self).__name__}")
+        module_name, _, attr = target.rpartition(".")
+        module = self.get_submodule(module_name)
+        offset = None  # a tensor-parallel layer's slice: where it goes in the local weight
+        if hasattr(module, "shard"):
+            tensor, offset = module.shard(tensor, shard, attr)
         if isinstance(tensor, GGMLBlocks):
-            module = self.get_submodule(target.rpartition(".")[0])
             if not cpu_kernels.build() or not isinstance(module, (Linear, VocabEmbedding)):
                 tensor = tensor.dequantize()  # no kernels, or a layer that runs dense only
             elif isinstance(module, VocabEmbedding):
@@ -192,12 +206,15 @@ class LlamaForCausalLM(nn.Module):
                     self.lm_head.load_quantized(tensor.kind, tensor.blocks)
                 return target
             else:
-                offset = 0 if shard is None else sum(self._shard_sizes(target, module.out_features)[:shard])
+                if offset is None:
+                    offset = 0 if shard is None else sum(self._shard_sizes(target, module.out_features)[:shard])
                 module.load_quantized(tensor.kind, tensor.blocks, offset)
                 return target
         param = params[target]
         with torch.no_grad():
-            if shard is None:
+            if offset is not None and (shard is not None or param.shape != tensor.shape):
+                param.narrow(0, offset, tensor.shape[0]).copy_(tensor)
+            elif shard is None:
                 if param.shape != tensor.shape:
                     raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != "
                                      f"model shape {tuple(param.shape)}")

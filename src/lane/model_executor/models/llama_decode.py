@@ -100,8 +100,10 @@ class FusedDecode:
     @staticmethod
     def ready(model) -> bool:
         """Whether a plan can be made now: the first layer's paged cache is bound."""
+        from lane.distributed.parallel_state import get_tp_group
+
         attn = model.layers[0].self_attn.attn
-        return type(attn) is Attention and attn.k_cache.numel() > 0
+        return get_tp_group().world_size == 1 and type(attn) is Attention and attn.k_cache.numel() > 0
 
     @classmethod
     def build(cls, model, dtype: torch.dtype) -> "FusedDecode | None":

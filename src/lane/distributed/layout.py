@@ -1,0 +1,79 @@
+"""Which layouts a model can be split into (refused at start with the numbers, as vLLM
+refuses them), and who holds what under a layout (``lane explain``)."""
+from __future__ import annotations
+
+
+def _is_v4(cfg) -> bool:
+    return "DeepseekV4ForCausalLM" in (getattr(cfg, "architectures", None) or [])
+
+
+def _experts(cfg) -> int:
+    return int(getattr(cfg, "n_routed_experts", None) or 0)
+
+
+def check_layout(cfg, tp: int, expert_parallel: bool) -> None:
+    """Raise ValueError naming the first size that ``tp`` does not divide."""
+    if tp == 1:
+        if expert_parallel:
+            return  # one rank holds every expert: nothing to split
+        return
+    checks: list[tuple[str, int]] = [("attention heads", cfg.num_attention_heads)]
+    kv = getattr(cfg, "num_key_value_heads", None)
+    if kv and not getattr(cfg, "kv_lora_rank", None) and not _is_v4(cfg):
+        if kv >= tp:
+            checks.append(("KV heads", kv))
+        elif tp % kv:  # fewer KV heads than ranks: each is replicated on tp / kv ranks
+            raise ValueError(f"tensor_parallel_size {tp} is not a multiple of the {kv} KV heads "
+                             f"(fewer KV heads than ranks are replicated, tp / kv ranks each)")
+    if getattr(cfg, "intermediate_size", None) and (not _experts(cfg) or getattr(cfg, "first_k_dense_replace", 0)):
+        checks.append(("intermediate_size", cfg.intermediate_size))
+    if _experts(cfg):
+        if expert_parallel:
+            checks.append(("routed experts", _experts(cfg)))
+        else:
+            checks.append(("moe_intermediate_size", cfg.moe_intermediate_size))
+        shared = getattr(cfg, "n_shared_experts", 0) or 0
+        if shared:
+            checks.append(("shared experts' intermediate size", cfg.moe_intermediate_size * shared))
+    if getattr(cfg, "index_n_heads", None) and getattr(cfg, "index_topk", None):
+        checks.append(("indexer heads", cfg.index_n_heads))
+    if _is_v4(cfg):
+        checks.append(("output groups (o_groups)", cfg.o_groups))
+    for what, n in checks:
+        if n % tp:
+            raise ValueError(f"tensor_parallel_size {tp} does not divide {n} {what}")
+    if expert_parallel and not _experts(cfg):
+        raise ValueError("--enable-expert-parallel needs a model with routed experts; this one has none")
+
+
+def describe_layout(cfg, tp: int, expert_parallel: bool) -> list[str]:
+    """One line per rank: the heads, KV heads, experts and vocabulary rows it holds."""
+    lines = []
+    H = cfg.num_attention_heads
+    kv = getattr(cfg, "num_key_value_heads", None) or H
+    mla = bool(getattr(cfg, "kv_lora_rank", None))
+    V = cfg.vocab_size
+    shard = -(-V // tp)
+    E = _experts(cfg)
+    for r in range(tp):
+        h = H // tp
+        parts = [f"rank {r}: query heads {r * h}-{(r + 1) * h - 1}"]
+        if _is_v4(cfg):
+            g = cfg.o_groups // tp
+            parts.append(f"output groups {r * g}-{(r + 1) * g - 1}, the shared K=V head and mHC replicated")
+        elif mla:
+            parts.append("the whole latent cache (MLA: replicated per rank)")
+        elif kv >= tp:
+            k = kv // tp
+            parts.append(f"KV heads {r * k}-{(r + 1) * k - 1}")
+        else:
+            parts.append(f"KV head {r // (tp // kv)} (replicated on {tp // kv} ranks)")
+        if E:
+            if expert_parallel:
+                e = E // tp
+                parts.append(f"experts {r * e}-{(r + 1) * e - 1} whole")
+            else:
+                parts.append(f"1/{tp} of every expert's intermediate")
+        parts.append(f"vocabulary rows {r * shard}-{min(V, (r + 1) * shard) - 1}")
+        lines.append(", ".join(parts))
+    return lines

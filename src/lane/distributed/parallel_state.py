@@ -1,0 +1,136 @@
+"""The process groups of one engine replica (seed step 2) and the handle the layers get
+(step 5), as vLLM's ``parallel_state``: ``get_tp_group()`` / ``get_ep_group()`` return a
+``GroupCoordinator`` whose collectives count calls, bytes and seconds per seed step, so
+traces and ``benchmarks/parallel.py`` show what each all-reduce and gather costs.
+
+On a CPU the groups are gloo's; on CUDA, NCCL's. A replica's world is its tensor-parallel
+ranks; the expert-parallel group is the same ranks (ep = tp) or no one (ep = 1).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from lane import tracing
+
+
+@dataclass
+class CollectiveStats:
+    calls: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+class GroupCoordinator:
+    """A group of ranks and its collectives. ``group`` None: a group of one, whose
+    collectives return their input."""
+
+    def __init__(self, name: str, ranks: list[int], rank: int, group=None) -> None:
+        self.name, self.ranks, self.group = name, ranks, group
+        self.world_size = len(ranks)
+        self.rank_in_group = ranks.index(rank) if rank in ranks else 0
+        self.stats: dict[int, CollectiveStats] = {}  # seed step -> totals
+
+    def _count(self, step: int, kind: str, nbytes: int, t0: float) -> None:
+        dt = time.perf_counter() - t0
+        s = self.stats.setdefault(int(step), CollectiveStats())
+        s.calls, s.bytes, s.seconds = s.calls + 1, s.bytes + nbytes, s.seconds + dt
+        prof = tracing.forward_profile()
+        if prof is not None:
+            prof.count(step, **{f"{kind}_bytes": nbytes, f"{kind}_ms": dt * 1e3, "collectives": 1})
+
+    def all_reduce(self, x: torch.Tensor, step: int) -> torch.Tensor:
+        """Sum x over the group, in place (a half-precision tensor is summed in float32 on
+        gloo, which reduces those slowly or not at all)."""
+        if self.world_size == 1:
+            return x
+        import torch.distributed as dist
+
+        t0 = time.perf_counter()
+        if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16):
+            wide = x.float()
+            dist.all_reduce(wide, group=self.group)
+            x.copy_(wide)
+        else:
+            dist.all_reduce(x, group=self.group)
+        self._count(step, "allreduce", x.numel() * x.element_size(), t0)
+        return x
+
+    def all_gather(self, x: torch.Tensor, step: int, dim: int = -1) -> torch.Tensor:
+        """Every rank's x concatenated along ``dim`` (equal shapes)."""
+        if self.world_size == 1:
+            return x
+        import torch.distributed as dist
+
+        t0 = time.perf_counter()
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        dist.all_gather(parts, x, group=self.group)
+        self._count(step, "allgather", x.numel() * x.element_size() * self.world_size, t0)
+        return torch.cat(parts, dim=dim)
+
+    def broadcast_object(self, obj=None, src: int = 0):
+        if self.world_size == 1:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.ranks[src], group=self.group)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            dist.barrier(group=self.group)
+
+    def take_stats(self) -> dict[int, CollectiveStats]:
+        out, self.stats = self.stats, {}
+        return out
+
+
+_TP = GroupCoordinator("tp", [0], 0)
+_EP = GroupCoordinator("ep", [0], 0)
+
+
+def get_tp_group() -> GroupCoordinator:
+    return _TP
+
+
+def get_ep_group() -> GroupCoordinator:
+    return _EP
+
+
+def set_model_parallel(tp: GroupCoordinator, ep: GroupCoordinator) -> None:
+    """Step 5: the groups the layers read as they are built."""
+    global _TP, _EP
+    _TP, _EP = tp, ep
+
+
+def init_distributed(world_size: int, rank: int, master_addr: str, master_port: int, timeout_s: float,
+                     device: torch.device, expert_parallel: bool) -> tuple[GroupCoordinator, GroupCoordinator]:
+    """Step 2: join the replica's world (TCP rendezvous at master_addr:master_port; gloo on a
+    CPU, NCCL on CUDA). Every collective gives up after ``timeout_s``: a rank that died or hangs
+    fails the others instead of holding them forever. Returns the (TP, EP) groups."""
+    import torch.distributed as dist
+
+    if master_addr.startswith("127.") or master_addr == "localhost":
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # a loopback world stays on loopback
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", world_size=world_size,
+                            rank=rank, timeout=datetime.timedelta(seconds=timeout_s))
+    ranks = list(range(world_size))
+    tp = GroupCoordinator("tp", ranks, rank, dist.group.WORLD)
+    ep = GroupCoordinator("ep", ranks, rank, dist.group.WORLD) if expert_parallel else GroupCoordinator("ep", [rank], rank)
+    return tp, ep
+
+
+def destroy_distributed() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()

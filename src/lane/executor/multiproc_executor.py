@@ -1,0 +1,276 @@
+"""One worker process per rank (vLLM's ``MultiprocExecutor`` / ``WorkerProc``).
+
+The engine broadcasts every call (``SchedulerOutput``s included) through a
+``MessageQueue``: shared memory to the ranks on its machine, ZeroMQ to ranks on others.
+Replies come back on one ZeroMQ PULL socket: rank 0's output each step (every rank's when
+tracing, with their spans), and any rank's error. Ports: ``--master-port`` is
+torch.distributed's rendezvous, +1 the broadcast, +2 the replies from other machines.
+
+Each local rank is spawned pinned to its share of the CPUs, with one thread per CPU of it
+(more ranks than CPUs: one thread each, CPUs shared, with a warning). A worker that exits,
+fails, or makes no progress for ``--worker-timeout`` seconds fails the engine: the waiting
+call raises ``WorkerError`` (and an engine-core process ends, so /health turns 503). Workers
+end when the engine stops them, or when their parent process is gone.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import pickle
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from dataclasses import replace
+
+import zmq
+
+from lane.config import EngineConfig
+from lane.distributed.shm_broadcast import MessageQueue, MessageReader, QueueHandle
+from lane.executor.abstract import Executor, WorkerError
+from lane.tracing import tracer
+
+logger = logging.getLogger(__name__)
+
+READY_TIMEOUT_S = 900.0  # loading a large checkpoint on a slow disk
+
+
+def rank_cpu_sets(num_ranks: int) -> list[list[int]]:
+    """Disjoint CPU sets, one per local rank; with fewer CPUs than ranks, CPUs are shared."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < num_ranks:
+        logger.warning("%d ranks on %d CPUs: each rank runs one thread and CPUs are shared (slow; "
+                       "for correctness checks, not speed)", num_ranks, len(cpus))
+        return [[cpus[i % len(cpus)]] for i in range(num_ranks)]
+    per = len(cpus) // num_ranks
+    return [cpus[i * per:(i + 1) * per] for i in range(num_ranks)]
+
+
+def _worker_main(*args) -> None:
+    WorkerProc.run(*args)
+
+
+class WorkerProc:
+    """A rank's process: builds its Worker, then runs every broadcast call."""
+
+    @staticmethod
+    def run(engine_args, rank: int, ranks_on_node: int, local_index: int | None, handle: QueueHandle,
+            reply_address: str, cpu_ids: list[int] | None, threads: int | None, trace: tuple[bool, bool],
+            parent_pid: int) -> None:
+        from lane.logger import configure_process_logging
+
+        configure_process_logging(f"Worker_TP{rank}")
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the frontend, which stops us
+        _watch_parent(parent_pid, rank)
+        if cpu_ids:
+            os.sched_setaffinity(0, cpu_ids)
+        if trace[0]:
+            tracer.enable(trace[1])
+        ctx = zmq.Context()
+        reply = ctx.socket(zmq.PUSH)
+        reply.setsockopt(zmq.LINGER, 2000)
+        reply.connect(reply_address)
+        reader = MessageReader(handle, local_index)
+
+        def send(kind: str, payload) -> None:
+            reply.send(pickle.dumps((rank, kind, payload), protocol=pickle.HIGHEST_PROTOCOL))
+
+        try:
+            from lane.worker.worker import Worker
+
+            config = engine_args.create_engine_config()
+            config.threads = threads
+            worker = Worker(config, own_process=True, rank=rank, ranks_on_node=ranks_on_node)
+        except BaseException as e:
+            logger.exception("Worker rank %d cannot start", rank)
+            send("error", f"{type(e).__name__}: {e}")
+            time.sleep(0.5)
+            sys.exit(1)
+        send("ready", (os.getpid(), socket.gethostname(), worker.threads, tracer.drain() if tracer.enabled else []))
+        while True:
+            msg = reader.dequeue()
+            method, args, reply_rank = msg
+            if method == "shutdown":
+                break
+            try:
+                result = getattr(worker, method)(*args)
+            except BaseException as e:
+                logger.exception("Worker rank %d failed in %s", rank, method)
+                send("error", f"{type(e).__name__} in {method}: {e}\n{traceback.format_exc(limit=4)}")
+                continue
+            if reply_rank is None or reply_rank == rank:
+                send("ok", (result, tracer.drain() if tracer.enabled else []))
+        reader.close()
+        reply.close()
+        ctx.term()
+
+
+def _watch_parent(parent_pid: int, rank: int, interval_s: float = 0.5) -> None:
+    """End this worker once the process that started it is gone (SIGKILL, OOM): nobody would
+    send it work, and its memory stays held."""
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(interval_s)
+        logger.warning("parent (pid %d) is gone; worker rank %d exits", parent_pid, rank)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="ParentWatch").start()
+
+
+def spawn_workers(engine_args, ranks: list[int], ranks_on_node: int, local: bool, handle: QueueHandle,
+                  reply_address: str, threads: int | None) -> list[multiprocessing.Process]:
+    """Start one process per rank of ``ranks`` on this machine, each pinned to its CPUs."""
+    ctx = multiprocessing.get_context("spawn")
+    cpu_sets = rank_cpu_sets(len(ranks))
+    procs = []
+    for i, rank in enumerate(ranks):
+        t = threads or len(cpu_sets[i])
+        proc = ctx.Process(target=_worker_main, name=f"Worker_TP{rank}", daemon=True,
+                           args=(engine_args, rank, ranks_on_node, i if local else None, handle, reply_address,
+                                 cpu_sets[i], t, (tracer.enabled, tracer.layer_detail), os.getpid()))
+        proc.start()
+        procs.append(proc)
+    return procs
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, config: EngineConfig, own_process: bool = False) -> None:
+        pc = config.parallel_config
+        self.config, self.own_process = config, own_process
+        self.world = pc.world_size
+        local = pc.ranks_per_node
+        remote = self.world - local
+        self.timeout_s = pc.worker_timeout
+        self.mq = MessageQueue(local, remote, pc.master_port + 1)
+        self.ctx = zmq.Context()
+        self.replies = self.ctx.socket(zmq.PULL)
+        self._ipc_dir = tempfile.mkdtemp(prefix="lane-workers-")
+        local_reply = f"ipc://{self._ipc_dir}/replies"
+        self.replies.bind(local_reply)
+        if remote:
+            self.replies.bind(f"tcp://*:{pc.master_port + 2}")
+        self._closing = False
+        self.failed: str | None = None
+        engine_args = config.engine_args
+        if pc.nnodes == 1:  # one machine: a free rendezvous port, so replicas and runs never collide
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                engine_args = replace(engine_args, master_port=s.getsockname()[1], master_addr="127.0.0.1")
+        self.procs = spawn_workers(engine_args, list(range(local)), local, True, self.mq.handle(),
+                                   local_reply, config.threads)
+        ready = self._gather(set(range(self.world)), READY_TIMEOUT_S, "ready")
+        self.mq.wait_for_readers(60.0)
+        self.pids = [ready[r][0] for r in range(self.world)]
+        self.threads = ready[0][2]
+        for r in range(self.world):
+            tracer.spans.extend(ready[r][3])
+        hosts = sorted({ready[r][1] for r in range(self.world)})
+        logger.info("Started %d worker processes (pids %s) on %d machine(s) %s; %d threads each on rank 0's",
+                    self.world, ", ".join(map(str, self.pids)), len(hosts), hosts, self.threads)
+        threading.Thread(target=self._monitor, daemon=True, name="WorkerMonitor").start()
+
+    # -- the calls -------------------------------------------------------------------
+    def collective_rpc(self, method: str, args: tuple = (), unique_reply_rank: int | None = None):
+        if self.failed:
+            raise WorkerError(self.failed)
+        all_reply = unique_reply_rank is None or tracer.enabled  # a tracing run gathers every rank's spans
+        self.mq.enqueue((method, args, None if all_reply else unique_reply_rank), self.timeout_s)
+        ranks = set(range(self.world)) if all_reply else {unique_reply_rank}
+        results = self._gather(ranks, self.timeout_s, "ok", method)
+        for r in sorted(results):
+            tracer.spans.extend(results[r][1])
+        if unique_reply_rank is not None:
+            return results[unique_reply_rank][0]
+        return [results[r][0] for r in range(self.world)]
+
+    def _gather(self, ranks: set[int], timeout_s: float, kind: str, method: str = "start-up") -> dict:
+        pending, results = set(ranks), {}
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            if self.replies.poll(100):
+                rank, got, payload = pickle.loads(self.replies.recv())
+                if got == "error":
+                    self.failed = f"worker rank {rank}: {payload}"
+                    raise WorkerError(self.failed)
+                if got == kind and rank in pending:
+                    results[rank] = payload
+                    pending.discard(rank)
+                continue
+            dead = [(i, p) for i, p in enumerate(self.procs) if p.exitcode is not None]
+            if dead or self.failed:
+                self.failed = self.failed or ", ".join(f"worker rank {i} (pid {p.pid}) exited with code {p.exitcode}"
+                                                       for i, p in dead)
+                raise WorkerError(self.failed)
+            if time.monotonic() > deadline:
+                self.failed = (f"no reply to {method} from worker rank(s) {sorted(pending)} within {timeout_s:.0f} s "
+                               f"(--worker-timeout)")
+                raise WorkerError(self.failed)
+        return results
+
+    def _monitor(self) -> None:
+        """A worker that exits between calls fails the engine too: in an engine-core process,
+        the process ends (its requests fail, /health turns 503); the next call raises anyway."""
+        from multiprocessing.connection import wait
+
+        wait([p.sentinel for p in self.procs])
+        if self._closing:
+            return
+        dead = [(i, p) for i, p in enumerate(self.procs) if p.exitcode is not None]
+        self.failed = self.failed or ", ".join(f"worker rank {i} (pid {p.pid}) exited with code {p.exitcode}"
+                                               for i, p in dead)
+        logger.error("%s: the engine stops", self.failed)
+        if self.own_process:
+            time.sleep(1.0)  # the main thread, if inside a call, reports it first
+            if not self._closing:
+                os._exit(1)
+
+    def shutdown(self) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        try:
+            self.mq.enqueue(("shutdown", (), None), timeout_s=2.0)
+        except Exception:
+            pass
+        deadline = time.monotonic() + 5.0
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.exitcode is None:
+                p.terminate()
+                p.join(2.0)
+            if p.exitcode is None:
+                p.kill()
+        self.mq.close()
+        self.replies.close(linger=0)
+        self.ctx.term()
+
+
+def run_headless(engine_args) -> int:
+    """``lane serve --headless --node-rank N``: this machine's ranks only, reached over ZeroMQ
+    from the engine on node 0; returns when they end (the engine stops them, or they fail)."""
+    config = engine_args.create_engine_config()
+    pc = config.parallel_config
+    per = pc.ranks_per_node
+    ranks = list(range(pc.node_rank * per, (pc.node_rank + 1) * per))
+    handle = QueueHandle(None, None, f"tcp://{pc.master_addr}:{pc.master_port + 1}", 0)
+    procs = spawn_workers(engine_args, ranks, per, False, handle, f"tcp://{pc.master_addr}:{pc.master_port + 2}",
+                          config.threads)
+    logger.info("Node %d of %d: worker ranks %s (pids %s), engine at %s:%d", pc.node_rank, pc.nnodes, ranks,
+                ", ".join(str(p.pid) for p in procs), pc.master_addr, pc.master_port)
+
+    def stop(*_):
+        for p in procs:
+            if p.exitcode is None:
+                p.terminate()
+        sys.exit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    code = 0
+    for p in procs:
+        p.join()
+        code = code or (p.exitcode or 0)
+    return code
