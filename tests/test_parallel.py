@@ -226,24 +226,29 @@ def test_two_nodes_on_loopback_equal_one_process(tiny):
                               "--headless"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         with RemoteServer([*common, "--node-rank", "0"]) as s:
-            assert "on 1 machine(s)" in s.read_log() or "worker processes" in s.read_log()
+            assert "Started 2 worker processes" in s.read_log()
             assert _completions(s, PROMPTS) == want
             assert s.stop() == 0
         assert node1.wait(20) == 0
+        assert "Node 1 of 2: worker ranks [1]" in node1.stdout.read()
     finally:
         if node1.poll() is None:
             node1.kill()
 
 
 @pytest.fixture
-def ray_cluster(tmp_path):
+def ray_cluster():
+    import shutil
+    import tempfile
+
     ray = pytest.importorskip("ray")  # the [test] extra installs it
+    tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths live under it
     port = free_port()
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
     ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
     subprocess.run([ray_bin, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port),
                     "--num-cpus", "4", "--include-dashboard=false", "--disable-usage-stats",
-                    f"--temp-dir={tmp_path}"], check=True, env=env, capture_output=True, timeout=120)
+                    f"--temp-dir={tmp}"], check=True, env=env, capture_output=True, timeout=120)
     os.environ["RAY_ADDRESS"] = f"127.0.0.1:{port}"
     try:
         yield ray
@@ -252,6 +257,7 @@ def ray_cluster(tmp_path):
             ray.shutdown()
         os.environ.pop("RAY_ADDRESS", None)
         subprocess.run([ray_bin, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def test_ray_backend_equals_one_rank(tiny, ray_cluster):

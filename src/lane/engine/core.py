@@ -270,6 +270,11 @@ def run_engine_core(args, engine_index: int, input_address: str, output_address:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the frontend, which stops us
     if cpu_ids:
         os.sched_setaffinity(0, cpu_ids)
+    # spawned as a daemon (it must not outlive the frontend), yet it starts the worker processes
+    # of its ranks: multiprocessing refuses children of a daemon unless told otherwise
+    import multiprocessing
+
+    multiprocessing.current_process().daemon = False
     try:
         proc = EngineCoreProc(args, engine_index, input_address, output_address)
     except SystemExit:
