@@ -270,3 +270,17 @@ def test_ray_backend_equals_one_rank(tiny, ray_cluster):
         assert len(llm.engine.executor.pids) == 2
     finally:
         llm.shutdown()
+
+
+def test_explain_shows_the_layout_and_each_ranks_pool(smollm_gguf, tiny):
+    from lane.entrypoints.explain import explain
+
+    text = explain(smollm_gguf, "float32", kv_cache_memory_bytes=96 << 20, tensor_parallel_size=3)
+    assert "rank 1: query heads 3-5, KV head 1, vocabulary rows 16384-32767" in text
+    one = re.search(r"budget [0-9.,]+ MiB -> ([0-9,]+) blocks", text).group(1)
+    # a rank holds a third of the KV heads in a third of the budget: as many blocks
+    assert f"a KV pool of {int(one.replace(',', '')) - 1:,} blocks" in text
+    text = explain(tiny["deepseek_v4"], "float32", tensor_parallel_size=2, enable_expert_parallel=True)
+    assert "rank 1: query heads 2-3, output group 1, the shared K=V head and mHC replicated, experts 4-7 whole" in text
+    with pytest.raises(ValueError, match="does not divide 9 attention heads"):
+        explain(smollm_gguf, tensor_parallel_size=2)

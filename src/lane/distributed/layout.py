@@ -46,6 +46,10 @@ def check_layout(cfg, tp: int, expert_parallel: bool) -> None:
         raise ValueError("--enable-expert-parallel needs a model with routed experts; this one has none")
 
 
+def _span(what: str, start: int, n: int) -> str:
+    return f"{what} {start}" if n == 1 else f"{what}s {start}-{start + n - 1}"
+
+
 def describe_layout(cfg, tp: int, expert_parallel: bool) -> list[str]:
     """One line per rank: the heads, KV heads, experts and vocabulary rows it holds."""
     lines = []
@@ -57,21 +61,21 @@ def describe_layout(cfg, tp: int, expert_parallel: bool) -> list[str]:
     E = _experts(cfg)
     for r in range(tp):
         h = H // tp
-        parts = [f"rank {r}: query heads {r * h}-{(r + 1) * h - 1}"]
+        parts = [f"rank {r}: {_span('query head', r * h, h)}"]
         if _is_v4(cfg):
             g = cfg.o_groups // tp
-            parts.append(f"output groups {r * g}-{(r + 1) * g - 1}, the shared K=V head and mHC replicated")
+            parts.append(f"{_span('output group', r * g, g)}, the shared K=V head and mHC replicated")
         elif mla:
             parts.append("the whole latent cache (MLA: replicated per rank)")
         elif kv >= tp:
             k = kv // tp
-            parts.append(f"KV heads {r * k}-{(r + 1) * k - 1}")
+            parts.append(_span("KV head", r * k, k))
         else:
             parts.append(f"KV head {r // (tp // kv)} (replicated on {tp // kv} ranks)")
         if E:
             if expert_parallel:
                 e = E // tp
-                parts.append(f"experts {r * e}-{(r + 1) * e - 1} whole")
+                parts.append(f"{_span('expert', r * e, e)} whole")
             else:
                 parts.append(f"1/{tp} of every expert's intermediate")
         parts.append(f"vocabulary rows {r * shard}-{min(V, (r + 1) * shard) - 1}")

@@ -266,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="the weights' resident memory under this --quantization (as lane serve takes it)")
     ex.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                     help="the cache layout with prefix caching on (default) or off")
+    ex.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                    help="show the layout over this many ranks: who holds which heads, experts, vocabulary rows")
+    ex.add_argument("--enable-expert-parallel", action="store_true")
 
     tm = sub.add_parser("tiny-model", help="write a small random checkpoint of an architecture (SmolLM2's tokenizer)")
     tm.add_argument("arch", choices=["llama", "qwen3", "deepseek_v3", "deepseek_v32", "deepseek_v4"])
@@ -281,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
             ex.error(f"--block-size must be >= 1, got {args.block_size}")
         try:
             print(explain(args.model_tag, args.dtype, args.block_size, args.kv_cache_memory_bytes,
-                          args.enable_prefix_caching, args.quantization))
+                          args.enable_prefix_caching, args.quantization, args.tensor_parallel_size,
+                          args.enable_expert_parallel))
         except (ValueError, FileNotFoundError, OSError) as e:
             ex.error(str(e))
         return 0

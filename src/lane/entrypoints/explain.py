@@ -91,14 +91,53 @@ def _compressed_layout(model, cfg, block_size: int, dtype, caching: bool, lines:
                  f"{block_size} tokens: {kept:,} B")
 
 
+def _parallel_layout(mc, tp: int, expert_parallel: bool, block_size: int, budget: int,
+                     caching: bool) -> list[str]:
+    """Who holds which heads, experts and vocabulary rows; each rank's weights and KV pool (a
+    rank-0 model built on the meta device with a group of ``tp`` ranks: its shapes are a rank's)."""
+    from lane.core.kv_cache_utils import get_kv_cache_config
+    from lane.distributed import parallel_state as ps
+    from lane.distributed.layout import describe_layout
+    from lane.kv_cache_interface import FULL, group_kv_cache_specs
+    from lane.model_executor.layers.attention import kv_cache_specs
+
+    saved = ps.get_tp_group(), ps.get_ep_group()
+    ranks = list(range(tp))
+    ps.set_model_parallel(ps.GroupCoordinator("tp", ranks, 0),
+                          ps.GroupCoordinator("ep", ranks if expert_parallel else [0], 0))
+    try:
+        model = meta_model(mc)
+    finally:
+        ps.set_model_parallel(*saved)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    groups = group_kv_cache_specs(kv_cache_specs(model, block_size, mc.dtype, caching))
+    kv = get_kv_cache_config(groups, budget // tp, 128, 2048, None)
+    main = kv.first_group(FULL)
+    per_block = sum(g.page_size_bytes for g in kv.groups if g.kind == FULL)
+    lines = ["", f"3 · parallel layout (tensor_parallel_size {tp}"
+             + (", expert parallel: whole experts per rank" if expert_parallel else "") + ")"]
+    lines += ["  " + line for line in describe_layout(mc.hf_config, tp, expert_parallel)]
+    lines.append(f"  each rank: weights {weights / 2**20:,.1f} MiB "
+                 + ("(dense shapes; a GGUF's kept blocks take less) " if mc.gguf_file else "")
+                 + f"and a KV pool of {kv.num_blocks[main] - 1:,} blocks of {per_block:,} B "
+                 f"({budget // tp / 2**20:,.1f} MiB: the budget split over the {tp} ranks on a machine)")
+    lines.append("  every rank samples the same token from the gathered logits (same seeds); rank 0's output "
+                 "goes back to the engine")
+    return lines
+
+
 def explain(model: str | None, dtype: str = "auto", block_size: int | None = None,
             kv_cache_memory_bytes: int | None = None, enable_prefix_caching: bool = True,
-            quantization: str = "auto") -> str:
+            quantization: str = "auto", tensor_parallel_size: int = 1, enable_expert_parallel: bool = False) -> str:
     from lane.config import CacheConfig, ModelConfig, SchedulerConfig
+    from lane.distributed.layout import check_layout
 
     plugins.load_general_plugins()
     mc = ModelConfig(model, dtype=dtype, quantization=quantization)
     cfg = mc.hf_config
+    if tensor_parallel_size < 1:
+        raise ValueError(f"--tensor-parallel-size must be >= 1, got {tensor_parallel_size}")
+    check_layout(cfg, tensor_parallel_size, enable_expert_parallel)
     block_size = mc.resolve_block_size(block_size)
     lines = [f"model: {mc.gguf_file or mc.model_dir}", "", "1 · registry (which implementation serves it)"]
     archs = mc.architectures
@@ -182,4 +221,7 @@ def explain(model: str | None, dtype: str = "auto", block_size: int | None = Non
     if kv.num_blocks[main] < need:
         lines.append(f"  one request of the whole context (max_model_len {mc.max_model_len:,}) needs {need:,} blocks: "
                      f"the engine refuses this budget unless --max-model-len is lower")
+    if tensor_parallel_size > 1 or enable_expert_parallel:
+        lines += _parallel_layout(mc, tensor_parallel_size, enable_expert_parallel, block_size, budget,
+                                  enable_prefix_caching)
     return "\n".join(lines)

@@ -1,0 +1,129 @@
+"""Tensor / expert parallelism's cost: per decode step, the time spent in collectives and
+the bytes they move at TP > 1 and EP = 2, and decode throughput against TP = 1, all in one
+run on the same machine: SmolLM2 (GGUF; its 9 heads split over 3 ranks, TP=2 is refused)
+and the random DeepSeek V3.2 and V4 of moe_decode.py / v4_decode.py at TP=2 and EP=2.
+
+On 2 cores no speed-up is expected (the ranks share the cores; TP=3 puts two on one):
+this measures the overhead honestly. Decode figures are (time for 1 + N tokens) - (time
+for 1 token), so prefill cancels out; collective figures are the same difference of the
+ranks' own counters (rank 0's), divided by N decode steps. From the per-collective
+figures it projects TP=16: a ring all-reduce over n ranks takes 2(n-1) latency steps and
+moves 2(n-1)/n of the tensor per rank, so from n ranks to 16 a collective's time grows by
+(15/16)/((n-1)/n) if bandwidth-bound (x1.9 from TP=2) and by 15/(n-1) if latency-bound (x15).
+
+    python benchmarks/parallel.py [--batch-sizes 1,8] [--new-tokens 32] [--models smollm,v32,v4]
+
+The last line is a JSON object of the headline figures.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from moe_decode import CONFIG as V32_CONFIG, MODEL_DIR as V32_DIR, cached_model, prompts  # noqa: E402
+from offline_throughput import check_quiet  # noqa: E402
+from v4_decode import CONFIG as V4_CONFIG, MODEL_DIR as V4_DIR  # noqa: E402
+
+from lane.tracing import STEPS  # noqa: E402
+
+
+
+def tp16_factors(n: int) -> tuple[float, float]:
+    """(bandwidth-bound, latency-bound) growth of a ring all-reduce's time from n ranks to 16."""
+    return (15 / 16) / ((n - 1) / n), 15 / (n - 1)
+
+
+def run_tokens(llm, ids, n: int) -> float:
+    from lane import SamplingParams
+
+    t0 = time.perf_counter()
+    llm.generate([{"prompt_token_ids": p} for p in ids], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
+                 use_tqdm=False)
+    return time.perf_counter() - t0
+
+
+def stats_of(llm) -> dict[int, tuple[int, int, float]]:
+    if llm.engine.worker is not None:  # one rank: no collectives
+        return {}
+    return llm.engine.executor.collective_rpc("collective_stats", unique_reply_rank=0)
+
+
+def measure(model: str, layout: dict, batch: int, prompt_len: int, new: int, repeats: int, dtype: str) -> dict:
+    from lane import LLM
+
+    llm = LLM(model, dtype=dtype, show_progress=False, max_num_seqs=max(8, batch), **layout)
+    try:
+        ids = prompts(batch, prompt_len)
+        run_tokens(llm, ids, 2)  # warm-up
+        best, per_step = float("inf"), {}
+        for _ in range(repeats):
+            stats_of(llm)  # reset
+            t1 = run_tokens(llm, ids, 1)
+            s1 = stats_of(llm)
+            tn = run_tokens(llm, ids, 1 + new)
+            sn = stats_of(llm)
+            if tn - t1 < best:
+                best = tn - t1
+                per_step = {STEPS[step].span: dict(calls=(sn[step][0] - s1.get(step, (0, 0, 0))[0]) / new,
+                                                   bytes=(sn[step][1] - s1.get(step, (0, 0, 0))[1]) / new,
+                                                   ms=(sn[step][2] - s1.get(step, (0, 0, 0))[2]) * 1e3 / new)
+                            for step in sn}
+        step_ms = best * 1e3 / new
+        return dict(tok_s=batch * new / best, step_ms=step_ms, collectives=per_step,
+                    comm_ms=sum(c["ms"] for c in per_step.values()))
+    finally:
+        llm.shutdown()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch-sizes", default="1,8")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--models", default="smollm,v32,v4")
+    ap.add_argument("--dtype", default="float32")
+    args = ap.parse_args()
+    check_quiet()
+    models = {"smollm": (None, [("TP=1", {}), ("TP=3", dict(tensor_parallel_size=3))]),
+              "v32": (cached_model("deepseek_v32", V32_DIR, V32_CONFIG),
+                      [("TP=1", {}), ("TP=2", dict(tensor_parallel_size=2)),
+                       ("EP=2", dict(tensor_parallel_size=2, enable_expert_parallel=True))]),
+              "v4": (cached_model("deepseek_v4", V4_DIR, V4_CONFIG),
+                     [("TP=1", {}), ("TP=2", dict(tensor_parallel_size=2)),
+                      ("EP=2", dict(tensor_parallel_size=2, enable_expert_parallel=True))])}
+    headline: dict = {}
+    for name in args.models.split(","):
+        model, layouts = models[name]
+        for batch in map(int, args.batch_sizes.split(",")):
+            base = None
+            for label, layout in layouts:
+                print(f"[{name} batch {batch}] {label} ...", flush=True)
+                r = measure(model, layout, batch, args.prompt_len, args.new_tokens, args.repeats, args.dtype)
+                base = base or r["tok_s"]
+                ratio = r["tok_s"] / base
+                print(f"  decode {r['tok_s']:8.1f} tok/s ({ratio:.2f}x TP=1), {r['step_ms']:.2f} ms a step, "
+                      f"collectives {r['comm_ms']:.2f} ms a step ({r['comm_ms'] / r['step_ms']:.0%})")
+                for span, c in r["collectives"].items():
+                    print(f"    {span:<20} {c['calls']:5.1f} calls {c['bytes'] / 1024:9.1f} KiB {c['ms']:7.3f} ms "
+                          f"a step ({c['ms'] / max(c['calls'], 1e-9) * 1e3:6.1f} us a call)")
+                if label != "TP=1":
+                    comm = r["comm_ms"]
+                    bw, lat = tp16_factors(layout["tensor_parallel_size"])
+                    headline[f"{name}_b{batch}_{label}"] = dict(
+                        ratio_vs_tp1=round(ratio, 3), comm_ms_per_step=round(comm, 3),
+                        comm_share=round(comm / r["step_ms"], 3),
+                        bytes_per_step=int(sum(c["bytes"] for c in r["collectives"].values())),
+                        tp16_comm_ms_per_step=[round(comm * bw, 3), round(comm * lat, 3)])
+    print(json.dumps(headline))
+
+
+if __name__ == "__main__":
+    main()
