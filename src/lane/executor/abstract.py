@@ -56,9 +56,13 @@ class Executor:
         return self.collective_rpc("weight_bytes")
 
     def expert_counts(self) -> dict[int, list[int]]:
-        """Per MoE layer, tokens each expert served, summed over ranks."""
+        """Per MoE layer, tokens each expert served, summed over the expert-parallel ranks (each
+        counts its own experts; under tensor parallelism every rank counts them all: rank 0's)."""
+        per_rank = self.collective_rpc("expert_counts")
+        if self.driver_worker is None and not self.config.parallel_config.enable_expert_parallel:
+            per_rank = per_rank[:1]
         total: dict[int, list[int]] = {}
-        for counts in self.collective_rpc("expert_counts"):
+        for counts in per_rank:
             for layer, c in counts.items():
                 total[layer] = [a + b for a, b in zip(total.get(layer, [0] * len(c)), c)]
         return total

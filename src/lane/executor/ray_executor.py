@@ -58,6 +58,7 @@ class RayExecutor(Executor):
         import ray
 
         pc = config.parallel_config
+        self.config = config
         self.world, self.timeout_s = pc.world_size, pc.worker_timeout
         if not ray.is_initialized():
             ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=True,

@@ -8,6 +8,7 @@ from lane.worker.worker import Worker
 
 class UniProcExecutor(Executor):
     def __init__(self, config: EngineConfig, own_process: bool = False) -> None:
+        self.config = config
         self.driver_worker = Worker(config, own_process)
         self.threads = self.driver_worker.threads
         self.pids = []

@@ -140,8 +140,11 @@ def get_model(model_config: ModelConfig, load_threads: int = 4, progress: bool =
         files = safetensors_files(model_config.model_dir)
         cfg = model_config.hf_config
         fp8 = Fp8Dequantizer(consume, block_size_of(cfg), scale_suffixes_of(cfg))
+        from lane.distributed.parallel_state import get_tp_group
+
         with tqdm(total=count_tensors(files), desc=desc, disable=not progress, unit="tensor") as bar:
-            load_safetensors(files, fp8, load_threads, on_tensor=bar.update)
+            # over several ranks, each reads only its slices
+            load_safetensors(files, fp8, load_threads, on_tensor=bar.update, lazy=get_tp_group().world_size > 1)
         fp8.finish()
         if fp8.num_dequantized:
             logger.info("Dequantised %d fp8 block-quantised weights to %s", fp8.num_dequantized,

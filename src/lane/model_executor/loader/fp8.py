@@ -71,6 +71,9 @@ class Fp8Dequantizer:
         else:
             self.consume(name, tensor)
             return
+        from lane.model_executor.loader.safetensors_loader import materialize
+
+        tensor = materialize(tensor)  # dequantized whole (its blocks' scales span the slices)
         with self.lock:
             mate = other.pop(key, None)
             if mate is None:

@@ -11,6 +11,7 @@ K rows permuted for its rope kernel; we undo that so the weights match HF's rota
 from __future__ import annotations
 
 import re
+import warnings
 from collections import Counter
 from typing import Iterator
 
@@ -121,7 +122,7 @@ class GGMLBlocks:
         if start % values or length % values:
             return self.dequantize().narrow(dim, start, length)
         cols = slice(start // values * size, (start + length) // values * size)
-        return GGMLBlocks(self.kind, (self.shape[0], length), self.blocks[:, cols].contiguous(), self.dtype,
+        return GGMLBlocks(self.kind, (self.shape[0], length), self.blocks[:, cols].clone(memory_format=torch.contiguous_format), self.dtype,
                           self.dequantized)
 
     def dequantize(self) -> torch.Tensor:
@@ -149,6 +150,11 @@ def iter_gguf_weights(reader, hf_config, dtype: torch.dtype = torch.float32, kee
     ``dequantized`` counts, by kind, the quantized tensors dequantized at load."""
     import gguf
 
+    from lane.distributed.parallel_state import get_tp_group
+
+    # over several ranks the blocks stay in the mapped file until a rank's layer copies out its
+    # slice (GGMLBlocks.narrow): only that slice is read
+    in_place = get_tp_group().world_size > 1
     arch = gguf_field(reader, "general.architecture")
     floats = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16}
     for t in reader.tensors:
@@ -163,7 +169,10 @@ def iter_gguf_weights(reader, hf_config, dtype: torch.dtype = torch.float32, kee
                 heads = hf_config.num_key_value_heads
         kind = gguf.GGMLQuantizationType(t.tensor_type).name
         if keep_quantized and keeps_blocks(t):
-            blocks = torch.from_numpy(np.array(t.data, copy=True)).view(t.shape[0], -1)
+            data = np.asarray(t.data) if in_place and heads is None else np.array(t.data, copy=True)
+            with warnings.catch_warnings():  # a read-only view of the mapped file: nothing writes to it
+                warnings.simplefilter("ignore", UserWarning)
+                blocks = torch.from_numpy(data).view(t.shape[0], -1)
             if heads is not None:  # rows of blocks permute as rows of weights do
                 blocks = _unpermute(blocks, heads).contiguous()
             yield name, GGMLBlocks(kind, t.shape, blocks, dtype, dequantized)

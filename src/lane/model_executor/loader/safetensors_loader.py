@@ -1,4 +1,6 @@
-"""HF directories: ``*.safetensors`` read memory-mapped, several files at once."""
+"""HF directories: ``*.safetensors`` read memory-mapped, several files at once. Over several
+tensor-parallel ranks each tensor comes as a ``LazyTensor``: a rank's layer narrows it to its
+slice, and only that slice's bytes are read from the mapped file."""
 from __future__ import annotations
 
 import glob
@@ -8,6 +10,36 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import torch
+
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+class LazyTensor:
+    """A checkpoint tensor not read yet: ``narrow`` reads one slice (a rank's), ``full`` all of
+    it. Valid while its file is open (during ``consume``)."""
+
+    def __init__(self, st, name: str) -> None:
+        self._st, self._name = st, name
+        self._slice = st.get_slice(name)
+        self.shape = torch.Size(self._slice.get_shape())
+        self.dtype = _DTYPES.get(self._slice.get_dtype())
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        return self._slice[(slice(None),) * dim + (slice(start, start + length),)]
+
+    def full(self) -> torch.Tensor:
+        return self._st.get_tensor(self._name)
+
+
+def materialize(t):
+    """A checkpoint tensor as a torch tensor (a LazyTensor read whole)."""
+    return t.full() if isinstance(t, LazyTensor) else t
 
 
 def safetensors_files(model_dir: str) -> list[str]:
@@ -28,9 +60,9 @@ def count_tensors(files: list[str]) -> int:
 
 
 def load_safetensors(files: list[str], consume: Callable[[str, torch.Tensor], None],
-                     num_threads: int = 4, on_tensor: Callable[[], None] | None = None) -> None:
-    """Call ``consume(name, tensor)`` for every tensor, one thread per file.
-    ``consume`` must be safe to call concurrently for different names."""
+                     num_threads: int = 4, on_tensor: Callable[[], None] | None = None, lazy: bool = False) -> None:
+    """Call ``consume(name, tensor)`` for every tensor, one thread per file (``lazy``: as
+    LazyTensors). ``consume`` must be safe to call concurrently for different names."""
     from safetensors import safe_open
 
     lock = threading.Lock()
@@ -38,7 +70,7 @@ def load_safetensors(files: list[str], consume: Callable[[str, torch.Tensor], No
     def one_file(path: str) -> None:
         with safe_open(path, framework="pt") as st:
             for name in st.keys():
-                consume(name, st.get_tensor(name))
+                consume(name, LazyTensor(st, name) if lazy else st.get_tensor(name))
                 if on_tensor:
                     with lock:
                         on_tensor()

@@ -35,6 +35,7 @@ from lane.model_executor.layers.linear import Linear
 from lane.model_executor.layers.parallel_linear import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
                                                         VocabParallelEmbedding, reduce_partial)
 from lane.model_executor.layers.rotary_embedding import RotaryEmbedding
+from lane.model_executor.loader.safetensors_loader import materialize
 from lane.model_executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
 
 logger = logging.getLogger(__name__)
@@ -218,8 +219,10 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         name = fused_expert_name(name)
         if name.endswith((".experts.w13", ".experts.w2")):  # transformers' stacked experts
             module, _, attr = name.rpartition(".")
-            self.get_submodule(module).load_stacked(attr, tensor)
+            self.get_submodule(module).load_stacked(attr, materialize(tensor))
             return name
+        if name.endswith((".q_b_proj.weight", ".q_proj.weight")) or ".kv_a_proj_with_mqa." in name:
+            tensor = materialize(tensor)  # regrouped whole, then split
         if name.endswith((".q_b_proj.weight", ".q_proj.weight")):
             # regrouped [every nope | every rope]: each part split by heads on its own
             tensor = self._regroup_q(tensor)

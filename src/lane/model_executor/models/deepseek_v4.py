@@ -31,6 +31,7 @@ from lane.model_executor.layers.compressed_attention import (V4AttentionCache, V
 from lane.model_executor.layers.fused_moe import FusedMoE, fused_expert_name
 from lane.model_executor.layers import cpu_kernels
 from lane.model_executor.layers.linear import Linear, linear
+from lane.model_executor.loader.safetensors_loader import materialize
 from lane.model_executor.layers.parallel_linear import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
                                                         VocabParallelEmbedding, reduce_partial, shard_param)
 
@@ -463,7 +464,7 @@ class DeepseekV4ForCausalLM(nn.Module):
             name = fused_expert_name(name)
             if name.endswith((".experts.w13", ".experts.w2")):  # transformers' stacked experts
                 module, _, attr = name.rpartition(".")
-                self.get_submodule(module).load_stacked(attr, tensor)
+                self.get_submodule(module).load_stacked(attr, materialize(tensor))
                 loaded.add(name)
                 continue
             if name not in params:
@@ -475,6 +476,7 @@ class DeepseekV4ForCausalLM(nn.Module):
                 tensor, _ = module.shard(tensor, None, attr)
             elif attr == "attn_sink":  # one per query head
                 tensor = shard_param(dst, tensor)
+            tensor = materialize(tensor)
             if dst.shape != tensor.shape:
                 raise ValueError(f"{orig}: checkpoint shape {tuple(tensor.shape)} != model shape {tuple(dst.shape)}")
             with torch.no_grad():

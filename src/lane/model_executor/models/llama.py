@@ -23,6 +23,7 @@ from lane.model_executor.layers.parallel_linear import (ColumnParallelLinear, Pa
                                                         VocabParallelEmbedding, local_kv_heads, qkv_parallel_linear)
 from lane.model_executor.layers.vocab_embedding import VocabEmbedding
 from lane.model_executor.loader.gguf_loader import GGMLBlocks
+from lane.model_executor.loader.safetensors_loader import materialize
 from lane.model_executor.layers.rotary_embedding import RotaryEmbedding
 from lane.model_executor.models.llama_decode import FusedDecode
 
@@ -197,6 +198,7 @@ class LlamaForCausalLM(nn.Module):
         offset = None  # a tensor-parallel layer's slice: where it goes in the local weight
         if hasattr(module, "shard"):
             tensor, offset = module.shard(tensor, shard, attr)
+        tensor = materialize(tensor)
         if isinstance(tensor, GGMLBlocks):
             if not cpu_kernels.build() or not isinstance(module, (Linear, VocabEmbedding)):
                 tensor = tensor.dequantize()  # no kernels, or a layer that runs dense only
