@@ -94,6 +94,7 @@ def cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         parser.error(f"--{e.param.replace('_', '-')}: {e}")
     if args.quiet:
         set_level(logging.WARNING)
+        os.environ["LANE_LOGGING_LEVEL"] = "WARNING"  # worker processes too
     try:
         llm = LLM(args.model, show_progress=not args.quiet, **engine_kwargs(args))
     except (ValueError, FileNotFoundError, TypeError) as e:
@@ -108,6 +109,8 @@ def cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         print()
     except ValueError as e:
         parser.error(str(e))
+    finally:
+        llm.shutdown()
     return 0
 
 

@@ -14,6 +14,7 @@ end when the engine stops them, or when their parent process is gone.
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing
 import os
@@ -172,6 +173,7 @@ class MultiprocExecutor(Executor):
         logger.info("Started %d worker processes (pids %s) on %d machine(s) %s; %d threads each on rank 0's",
                     self.world, ", ".join(map(str, self.pids)), len(hosts), hosts, self.threads)
         threading.Thread(target=self._monitor, daemon=True, name="WorkerMonitor").start()
+        atexit.register(self.shutdown)  # before multiprocessing's own exit handler kills the workers
 
     # -- the calls -------------------------------------------------------------------
     def collective_rpc(self, method: str, args: tuple = (), unique_reply_rank: int | None = None):
@@ -216,9 +218,12 @@ class MultiprocExecutor(Executor):
         the process ends (its requests fail, /health turns 503); the next call raises anyway."""
         from multiprocessing.connection import wait
 
-        wait([p.sentinel for p in self.procs])
+        ready = wait([p.sentinel for p in self.procs])
         if self._closing:
             return
+        for p in self.procs:
+            if p.sentinel in ready:
+                p.join(1.0)  # its exit code
         dead = [(i, p) for i, p in enumerate(self.procs) if p.exitcode is not None]
         self.failed = self.failed or ", ".join(f"worker rank {i} (pid {p.pid}) exited with code {p.exitcode}"
                                                for i, p in dead)

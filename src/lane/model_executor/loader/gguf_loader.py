@@ -122,8 +122,8 @@ class GGMLBlocks:
         if start % values or length % values:
             return self.dequantize().narrow(dim, start, length)
         cols = slice(start // values * size, (start + length) // values * size)
-        return GGMLBlocks(self.kind, (self.shape[0], length), self.blocks[:, cols].clone(memory_format=torch.contiguous_format), self.dtype,
-                          self.dequantized)
+        blocks = self.blocks[:, cols].clone(memory_format=torch.contiguous_format)
+        return GGMLBlocks(self.kind, (self.shape[0], length), blocks, self.dtype, self.dequantized)
 
     def dequantize(self) -> torch.Tensor:
         import gguf
