@@ -40,6 +40,49 @@ def tp16_factors(n: int) -> tuple[float, float]:
     return (15 / 16) / ((n - 1) / n), 15 / (n - 1)
 
 
+def _floor_rank(rank: int, world: int, port: int, sizes: list[int], out) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    res = {}
+    for n in sizes:
+        x = torch.ones(n)
+        for _ in range(20):
+            dist.all_reduce(x)
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(200):
+            dist.all_reduce(x)
+        res[n * 4] = (time.perf_counter() - t0) / 200 * 1e6
+    if rank == 0:
+        out.put(res)
+    dist.destroy_process_group()
+
+
+def collective_floor(world: int) -> dict[int, float]:
+    """Bytes -> microseconds of a bare gloo all-reduce between ``world`` processes on this machine
+    (nothing else running): the latency every collective of a step pays at least."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # as lane's ranks on one machine
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_floor_rank, args=(r, world, port, [576, 576 * 8, 49152], q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    res = q.get(timeout=300)
+    for p in procs:
+        p.join()
+    return res
+
+
 def run_tokens(llm, ids, n: int) -> float:
     from lane import SamplingParams
 
@@ -100,6 +143,11 @@ def main() -> None:
                      [("TP=1", {}), ("TP=2", dict(tensor_parallel_size=2)),
                       ("EP=2", dict(tensor_parallel_size=2, enable_expert_parallel=True))])}
     headline: dict = {}
+    for world in (2, 3):
+        floor = collective_floor(world)
+        print(f"bare gloo all-reduce, {world} processes: " + ", ".join(f"{b / 1024:.1f} KiB {us:.0f} us"
+                                                                        for b, us in floor.items()), flush=True)
+        headline[f"floor_allreduce_us_{world}ranks"] = {str(b): round(us, 1) for b, us in floor.items()}
     for name in args.models.split(","):
         model, layouts = models[name]
         for batch in map(int, args.batch_sizes.split(",")):

@@ -285,3 +285,19 @@ def test_explain_shows_the_layout_and_each_ranks_pool(smollm_gguf, tiny):
     assert "rank 1: query heads 2-3, output group 1, the shared K=V head and mHC replicated, experts 4-7 whole" in text
     with pytest.raises(ValueError, match="does not divide 9 attention heads"):
         explain(smollm_gguf, tensor_parallel_size=2)
+
+
+def test_a_worker_that_stops_answering_fails_the_engine_after_worker_timeout(tiny, monkeypatch):
+    from lane.executor.abstract import WorkerError
+
+    monkeypatch.setenv("LANE_FAULT_INJECT", "worker_hang:1:3")  # rank 1 hangs at its third step
+    llm = LLM(tiny["llama"], tensor_parallel_size=2, worker_timeout=3, **FP32)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(WorkerError, match="rank|within 3 s"):
+            _tokens(llm)
+        assert time.monotonic() - t0 < 10
+    finally:
+        t0 = time.monotonic()
+        llm.shutdown()
+        assert time.monotonic() - t0 < 15

@@ -92,11 +92,19 @@ class WorkerProc:
             time.sleep(0.5)
             sys.exit(1)
         send("ready", (os.getpid(), socket.gethostname(), worker.threads, tracer.drain() if tracer.enabled else []))
+        # Fault injection, for tests only: LANE_FAULT_INJECT=worker_hang:R:N makes rank R stop
+        # answering at its N-th step (the engine's --worker-timeout must end the wait)
+        fault = os.environ.get("LANE_FAULT_INJECT", "").split(":")
+        hang_at = int(fault[2]) if fault[0] == "worker_hang" and int(fault[1]) == rank else 0
+        steps = 0
         while True:
             msg = reader.dequeue()
             method, args, reply_rank = msg
             if method == "shutdown":
                 break
+            steps += method == "execute_model"
+            if hang_at and steps == hang_at:
+                time.sleep(3600)
             try:
                 result = getattr(worker, method)(*args)
             except BaseException as e:

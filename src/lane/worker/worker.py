@@ -68,6 +68,8 @@ class Worker:
         from lane.distributed.parallel_state import init_distributed, set_model_parallel
 
         t0 = time.monotonic()
+        if device.type == "cuda":  # one GPU per local rank (NCCL refuses two ranks on one)
+            torch.cuda.set_device(self.rank % pc.ranks_per_node % max(1, torch.cuda.device_count()))
         tp, ep = init_distributed(pc.world_size, self.rank, pc.master_addr, pc.master_port, pc.worker_timeout,
                                   device, pc.enable_expert_parallel)
         t1 = time.monotonic()
