@@ -101,6 +101,13 @@ def test_smollm_gguf_tp3_equals_tp1_and_records_collectives(smollm_gguf):
                           (Step.COMM_LOGITS_GATHER, "allgather_bytes")):
             moved = [s.attrs.get(key, 0) for s in spans if s.step == step]
             assert moved and all(b > 0 for b in moved), step
+        # the trace file gives each further rank's spans tracks of their own; the page draws rank 0's
+        from lane.tracing import span_dict
+        from lane.tracing.export import chrome_trace
+
+        trace = {"request_id": "r", "spans": [span_dict(s) for s in spans]}
+        tracks = {e["args"]["name"] for e in chrome_trace(trace)["traceEvents"] if e["name"] == "thread_name"}
+        assert {"runner", "runner (rank 1)", "comm (rank 2)"} <= tracks
     finally:
         llm.shutdown()
 

@@ -7,6 +7,8 @@ The ring has ``SLOTS`` slots; a slot is rewritten only after every local reader 
 it read (the engine waits for rank 0's reply each step, so the ring rarely fills). A
 message larger than a slot travels inline on the local socket too. The shared-memory file is
 unlinked once every local reader has mapped it: nothing is left behind, whatever ends how.
+Readers on other machines also get a heartbeat (``HEARTBEAT_S``) while the writer lives, so
+they can tell an idle engine from a dead one (local readers watch their parent process).
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import os
 import pickle
 import struct
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -23,6 +26,7 @@ import zmq
 
 SLOTS = 4
 SLOT_BYTES = 4 << 20
+HEARTBEAT_S = 2.0
 _HEADER = 16  # per slot: payload length (u64), sequence number (u64); then one read flag per reader
 
 
@@ -65,6 +69,16 @@ class MessageQueue:
         self.remote_port = remote_port
         self.seq = 0
         self._used = [False] * SLOTS
+        self._remote_lock = threading.Lock()  # the heartbeat thread sends on the remote socket too
+        self._closed = threading.Event()
+        if num_remote:
+            threading.Thread(target=self._heartbeat, daemon=True, name="MessageQueueHeartbeat").start()
+
+    def _heartbeat(self) -> None:
+        while not self._closed.wait(HEARTBEAT_S):
+            with self._remote_lock:
+                if not self._closed.is_set():
+                    self.remote_socket.send(b"h")
 
     def handle(self, remote_host: str = "127.0.0.1") -> QueueHandle:
         return QueueHandle(self.shm_path, self.local_address if self.num_local else None,
@@ -106,10 +120,13 @@ class MessageQueue:
             else:
                 self.local_socket.send(b"i" + data, copy=False)
         if self.remote_socket is not None:
-            self.remote_socket.send(b"i" + data, copy=False)
+            with self._remote_lock:
+                self.remote_socket.send(b"i" + data, copy=False)
         self.seq += 1
 
     def close(self) -> None:
+        with self._remote_lock:
+            self._closed.set()
         for sock in (self.local_socket, self.remote_socket):
             if sock is not None:
                 sock.close(linger=0)
@@ -136,10 +153,13 @@ class MessageReader:
             self.socket.connect(handle.remote_address)
 
     def dequeue(self, timeout_s: float | None = None):
-        """The next message; None if none came within ``timeout_s``."""
-        if timeout_s is not None and not self.socket.poll(int(timeout_s * 1000)):
-            return None
-        msg = self.socket.recv(copy=False).buffer
+        """The next message; None if none (nor a heartbeat) came within ``timeout_s``."""
+        while True:
+            if timeout_s is not None and not self.socket.poll(int(timeout_s * 1000)):
+                return None
+            msg = self.socket.recv(copy=False).buffer
+            if msg[:1] != b"h":
+                break
         if msg[:1] == b"i":
             return pickle.loads(msg[1:])
         slot = struct.unpack("<I", msg[1:5])[0]

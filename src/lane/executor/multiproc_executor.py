@@ -31,7 +31,7 @@ from dataclasses import replace
 import zmq
 
 from lane.config import EngineConfig
-from lane.distributed.shm_broadcast import MessageQueue, MessageReader, QueueHandle
+from lane.distributed.shm_broadcast import HEARTBEAT_S, MessageQueue, MessageReader, QueueHandle
 from lane.executor.abstract import Executor, WorkerError
 from lane.tracing import tracer
 
@@ -98,7 +98,11 @@ class WorkerProc:
         hang_at = int(fault[2]) if fault[0] == "worker_hang" and int(fault[1]) == rank else 0
         steps = 0
         while True:
-            msg = reader.dequeue()
+            # on another machine: no heartbeat for a while means the engine is gone
+            msg = reader.dequeue(None if local_index is not None else 5 * HEARTBEAT_S)
+            if msg is None:
+                logger.warning("worker rank %d: no word from the engine for %.0f s; exiting", rank, 5 * HEARTBEAT_S)
+                break
             method, args, reply_rank = msg
             if method == "shutdown":
                 break

@@ -60,6 +60,8 @@ class RayExecutor(Executor):
         pc = config.parallel_config
         self.config = config
         self.world, self.timeout_s = pc.world_size, pc.worker_timeout
+        # Ray leaves CUDA_VISIBLE_DEVICES to the actors' own num_gpus (its coming default; quiets its warning)
+        os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
         if not ray.is_initialized():
             ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=True,
                      runtime_env={"env_vars": {"LANE_LOGGING_LEVEL": os.environ.get("LANE_LOGGING_LEVEL", "INFO")}})

@@ -13,22 +13,30 @@ def _t0(spans: list[dict]) -> float:
     return min(timed) if timed else min((s["start"] for s in spans), default=0.0)
 
 
+def _rank(s: dict) -> int:
+    return int(s.get("attrs", {}).get("rank") or 0)
+
+
 def chrome_trace(trace: dict) -> dict:
-    """Trace-event JSON: one track (thread) per lane, times in µs from the request's start;
-    args.step and args.request_id on every event; a skipped step is an instant event
-    whose args.skipped gives the reason."""
+    """Trace-event JSON: one track (thread) per lane (and per lane of each further rank's
+    spans), times in µs from the request's start; args.step and args.request_id on every
+    event; a skipped step is an instant event whose args.skipped gives the reason."""
     spans, rid = trace["spans"], trace["request_id"]
     t0 = _t0(spans)
     events: list[dict] = [{"ph": "M", "pid": 1, "name": "process_name",
                            "args": {"name": f"lane request {rid}"}}]
-    for i, lane in enumerate(LANES):
-        events.append({"ph": "M", "pid": 1, "tid": i, "name": "thread_name", "args": {"name": lane}})
-        events.append({"ph": "M", "pid": 1, "tid": i, "name": "thread_sort_index", "args": {"sort_index": i}})
+    for rank in sorted({_rank(s) for s in spans} | {0}):
+        for i, lane in enumerate(LANES):
+            tid = rank * len(LANES) + i
+            name = lane if rank == 0 else f"{lane} (rank {rank})"
+            events.append({"ph": "M", "pid": 1, "tid": tid, "name": "thread_name", "args": {"name": name}})
+            events.append({"ph": "M", "pid": 1, "tid": tid, "name": "thread_sort_index", "args": {"sort_index": tid}})
     for s in spans:
         args = {"step": s["step"], "request_id": rid, "lane": s["lane"], "phase": PHASES[s["phase"]],
                 "pid": s.get("pid", 0), **s.get("attrs", {})}
         ev = {"name": f'{s["step"]} {s["name"]}', "cat": PHASES[s["phase"]], "pid": 1,
-              "tid": LANES.index(s["lane"]), "ts": round((s["start"] - t0) * 1e6, 3), "args": args}
+              "tid": _rank(s) * len(LANES) + LANES.index(s["lane"]), "ts": round((s["start"] - t0) * 1e6, 3),
+              "args": args}
         if s.get("skipped"):
             args["skipped"] = s["skipped"]
             ev.update(ph="i", s="t")
@@ -41,8 +49,11 @@ def chrome_trace(trace: dict) -> dict:
 
 def html_page(trace: dict) -> str:
     """The swimlane page: ten lanes left to right, time downwards, phase bands, numbered
-    boxes with durations, arrows where work passes between lanes, TTFT at step 40."""
-    data = {"request_id": trace["request_id"], "model": trace.get("model"), "spans": trace["spans"],
+    boxes with durations, arrows where work passes between lanes, TTFT at step 40. Over
+    several ranks it draws rank 0's (the others do the same work at the same time; their
+    spans are in the trace JSON, on tracks of their own)."""
+    spans = [s for s in trace["spans"] if _rank(s) == 0]
+    data = {"request_id": trace["request_id"], "model": trace.get("model"), "spans": spans,
             "lanes": list(LANES), "phases": list(PHASES),
             "catalogue": {n: [s.lane, s.span, s.what] for n, s in STEPS.items()}}
     payload = json.dumps(data).replace("</", "<\\/")
