@@ -156,9 +156,11 @@ def test_impossible_layouts_are_refused_with_the_numbers(args, message):
     assert message in r.stderr and "Traceback" not in r.stderr
 
 
-def _worker_pids(server: RemoteServer) -> list[int]:
-    return [int(p) for m in re.finditer(r"Started \d+ worker processes \(pids ([0-9, ]+)\)", server.read_log())
-            for p in m.group(1).split(",")]
+def _worker_pids(server: RemoteServer) -> dict[int, list[int]]:
+    """Engine index -> its workers' pids, from each engine core's start-up line."""
+    found = re.finditer(r"\(EngineCore_DP(\d+) pid=\d+\).*Started \d+ worker processes \(pids ([0-9, ]+)\)",
+                        server.read_log())
+    return {int(m.group(1)): [int(p) for p in m.group(2).split(",")] for m in found}
 
 
 def _alive(pid: int) -> bool:
@@ -195,7 +197,8 @@ def test_serve_tp2_dp2_then_a_killed_worker_fails_the_engine(tiny):
     ref.shutdown()
     with RemoteServer(["--model", tiny["qwen3"], "--dtype", "float32", "-tp", "2", "-dp", "2",
                        "--max-num-batched-tokens", "16"]) as s:
-        workers = _worker_pids(s)
+        by_engine = _worker_pids(s)
+        workers = by_engine[0] + by_engine[1]
         assert len(workers) == 4 and len(s.engine_pids()) == 2
         assert _completions(s, PROMPTS) == want
         c = s.client(timeout=30)
@@ -204,7 +207,7 @@ def test_serve_tp2_dp2_then_a_killed_worker_fails_the_engine(tiny):
                                       extra_body={"ignore_eos": True, "data_parallel_rank": 0}, stream=True)
         next(iter(stream))
         t0 = time.monotonic()
-        os.kill(workers[1], signal.SIGKILL)  # engine 0's rank 1
+        os.kill(by_engine[0][1], signal.SIGKILL)  # rank 1 of the engine serving the stream
         with pytest.raises(openai.APIError):
             for _ in stream:
                 pass
