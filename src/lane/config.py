@@ -192,10 +192,6 @@ class ParallelConfig:
         return self.tensor_parallel_size
 
     @property
-    def ep_size(self) -> int:
-        return self.tensor_parallel_size if self.enable_expert_parallel else 1
-
-    @property
     def ranks_per_node(self) -> int:
         return self.world_size // self.nnodes
 

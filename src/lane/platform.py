@@ -115,6 +115,16 @@ def available_cpus() -> int:
         return os.cpu_count() or 1
 
 
+def disjoint_cpu_sets(n: int) -> list[list[int]] | None:
+    """This process's CPUs in ``n`` disjoint equal sets (engine replicas, or a replica's ranks, so
+    they do not fight over cores); None with fewer CPUs than sets."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < n:
+        return None
+    per = len(cpus) // n
+    return [cpus[i * per:(i + 1) * per] for i in range(n)]
+
+
 def set_threads(threads: int | None) -> int:
     """Intra-op threads for torch and the CPU kernels (one OpenMP pool): by default every
     CPU this process may run on, and never more (more threads than cores only contend)."""

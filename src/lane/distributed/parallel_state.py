@@ -73,21 +73,6 @@ class GroupCoordinator:
         self._count(step, "allgather", x.numel() * x.element_size() * self.world_size, t0)
         return torch.cat(parts, dim=dim)
 
-    def broadcast_object(self, obj=None, src: int = 0):
-        if self.world_size == 1:
-            return obj
-        import torch.distributed as dist
-
-        box = [obj]
-        dist.broadcast_object_list(box, src=self.ranks[src], group=self.group)
-        return box[0]
-
-    def barrier(self) -> None:
-        if self.world_size > 1:
-            import torch.distributed as dist
-
-            dist.barrier(group=self.group)
-
     def take_stats(self) -> dict[int, CollectiveStats]:
         out, self.stats = self.stats, {}
         return out
@@ -128,9 +113,3 @@ def init_distributed(world_size: int, rank: int, master_addr: str, master_port: 
     ep = GroupCoordinator("ep", ranks, rank, dist.group.WORLD) if expert_parallel else GroupCoordinator("ep", [rank], rank)
     return tp, ep
 
-
-def destroy_distributed() -> None:
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
-import os
 import shutil
 import tempfile
 import time
@@ -25,7 +24,7 @@ from lane.config import EngineArgs
 from lane.engine.messages import (EngineCoreOutputs, EngineCoreOutputType, EngineCoreRequest,
                                   EngineCoreRequestType, EngineReady)
 from lane.engine.dp_balancer import DPLoadBalancer
-from lane.platform import available_cpus
+from lane.platform import available_cpus, disjoint_cpu_sets
 from lane.tracing import Span
 
 logger = logging.getLogger(__name__)
@@ -41,13 +40,8 @@ class EngineBusyError(RuntimeError):
 
 def split_cpus(num_engines: int) -> list[list[int] | None]:
     """Disjoint CPU sets per replica, so data-parallel engines do not fight over cores."""
-    if num_engines == 1:
-        return [None]
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < num_engines:
-        return [None] * num_engines
-    per = len(cpus) // num_engines
-    return [cpus[i * per:(i + 1) * per] for i in range(num_engines)]
+    sets = disjoint_cpu_sets(num_engines) if num_engines > 1 else None
+    return sets or [None] * num_engines
 
 
 def _engine_core_main(*args) -> None:

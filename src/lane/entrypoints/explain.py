@@ -92,7 +92,7 @@ def _compressed_layout(model, cfg, block_size: int, dtype, caching: bool, lines:
 
 
 def _parallel_layout(mc, tp: int, expert_parallel: bool, block_size: int, budget: int,
-                     caching: bool) -> list[str]:
+                     caching: bool, sc) -> list[str]:
     """Who holds which heads, experts and vocabulary rows; each rank's weights and KV pool (a
     rank-0 model built on the meta device with a group of ``tp`` ranks: its shapes are a rank's)."""
     from lane.core.kv_cache_utils import get_kv_cache_config
@@ -111,7 +111,7 @@ def _parallel_layout(mc, tp: int, expert_parallel: bool, block_size: int, budget
         ps.set_model_parallel(*saved)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     groups = group_kv_cache_specs(kv_cache_specs(model, block_size, mc.dtype, caching))
-    kv = get_kv_cache_config(groups, budget // tp, 128, 2048, None)
+    kv = get_kv_cache_config(groups, budget // tp, sc.max_num_seqs, sc.max_num_batched_tokens, None)
     main = kv.first_group(FULL)
     per_block = sum(g.page_size_bytes for g in kv.groups if g.kind == FULL)
     lines = ["", f"3 · parallel layout (tensor_parallel_size {tp}"
@@ -223,5 +223,5 @@ def explain(model: str | None, dtype: str = "auto", block_size: int | None = Non
                      f"the engine refuses this budget unless --max-model-len is lower")
     if tensor_parallel_size > 1 or enable_expert_parallel:
         lines += _parallel_layout(mc, tensor_parallel_size, enable_expert_parallel, block_size, budget,
-                                  enable_prefix_caching)
+                                  enable_prefix_caching, sc)
     return "\n".join(lines)

@@ -33,6 +33,7 @@ import zmq
 from lane.config import EngineConfig
 from lane.distributed.shm_broadcast import HEARTBEAT_S, MessageQueue, MessageReader, QueueHandle
 from lane.executor.abstract import Executor, WorkerError
+from lane.platform import disjoint_cpu_sets
 from lane.tracing import tracer
 
 logger = logging.getLogger(__name__)
@@ -42,13 +43,13 @@ READY_TIMEOUT_S = 900.0  # loading a large checkpoint on a slow disk
 
 def rank_cpu_sets(num_ranks: int) -> list[list[int]]:
     """Disjoint CPU sets, one per local rank; with fewer CPUs than ranks, CPUs are shared."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < num_ranks:
+    sets = disjoint_cpu_sets(num_ranks)
+    if sets is None:
+        cpus = sorted(os.sched_getaffinity(0))
         logger.warning("%d ranks on %d CPUs: each rank runs one thread and CPUs are shared (slow; "
                        "for correctness checks, not speed)", num_ranks, len(cpus))
         return [[cpus[i % len(cpus)]] for i in range(num_ranks)]
-    per = len(cpus) // num_ranks
-    return [cpus[i * per:(i + 1) * per] for i in range(num_ranks)]
+    return sets
 
 
 def _worker_main(*args) -> None:
@@ -214,16 +215,20 @@ class MultiprocExecutor(Executor):
                     results[rank] = payload
                     pending.discard(rank)
                 continue
-            dead = [(i, p) for i, p in enumerate(self.procs) if p.exitcode is not None]
+            dead = self._dead_workers()
             if dead or self.failed:
-                self.failed = self.failed or ", ".join(f"worker rank {i} (pid {p.pid}) exited with code {p.exitcode}"
-                                                       for i, p in dead)
+                self.failed = self.failed or dead
                 raise WorkerError(self.failed)
             if time.monotonic() > deadline:
                 self.failed = (f"no reply to {method} from worker rank(s) {sorted(pending)} within {timeout_s:.0f} s "
                                f"(--worker-timeout)")
                 raise WorkerError(self.failed)
         return results
+
+    def _dead_workers(self) -> str:
+        """Which local workers have exited, and how ("" while all run)."""
+        return ", ".join(f"worker rank {i} (pid {p.pid}) exited with code {p.exitcode}"
+                         for i, p in enumerate(self.procs) if p.exitcode is not None)
 
     def _monitor(self) -> None:
         """A worker that exits between calls fails the engine too: in an engine-core process,
@@ -236,9 +241,7 @@ class MultiprocExecutor(Executor):
         for p in self.procs:
             if p.sentinel in ready:
                 p.join(1.0)  # its exit code
-        dead = [(i, p) for i, p in enumerate(self.procs) if p.exitcode is not None]
-        self.failed = self.failed or ", ".join(f"worker rank {i} (pid {p.pid}) exited with code {p.exitcode}"
-                                               for i, p in dead)
+        self.failed = self.failed or self._dead_workers()
         logger.error("%s: the engine stops", self.failed)
         if self.own_process:
             time.sleep(1.0)  # the main thread, if inside a call, reports it first

@@ -107,13 +107,11 @@ class Worker:
         layers = self.model.moe_layers() if hasattr(self.model, "moe_layers") else {}
         return {i: m.expert_counts.tolist() for i, m in layers.items()}
 
-    def collective_stats(self, reset: bool = True) -> dict[int, tuple[int, int, float]]:
+    def collective_stats(self) -> dict[int, tuple[int, int, float]]:
         """Seed step -> (collectives, bytes, seconds) on this rank since the last call."""
         from lane.distributed.parallel_state import get_tp_group
 
-        tp = get_tp_group()
-        stats = tp.take_stats() if reset else dict(tp.stats)
-        return {step: (s.calls, s.bytes, s.seconds) for step, s in stats.items()}
+        return {step: (s.calls, s.bytes, s.seconds) for step, s in get_tp_group().take_stats().items()}
 
     def warmup(self) -> float:
         """Step 6: one prefill-shaped forward so oneDNN / MKL pick their kernels now."""

@@ -153,14 +153,15 @@ class FusedMoE(nn.Module):
         """x [T, H]; topk_weights, topk_ids [T, k] -> [T, H] (this rank's part of the sum)"""
         k = topk_ids.shape[1]
         flat, weights = topk_ids.reshape(-1), topk_weights.reshape(-1)
-        token = torch.arange(flat.numel()) // k
+        token = None  # pair i's token is i // k, unless pairs were dropped
         if self.ep_size > 1:  # the pairs routed to this rank's experts
             mine = (flat >= self.expert_start) & (flat < self.expert_start + self.local_experts)
-            flat, weights, token = flat[mine] - self.expert_start, weights[mine], token[mine]
+            token = (torch.arange(flat.numel()) // k)[mine]
+            flat, weights = flat[mine] - self.expert_start, weights[mine]
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=self.local_experts)
         self.expert_counts[self.expert_start:self.expert_start + self.local_experts] += counts
-        token_of = token[order]
+        token_of = order // k if token is None else token[order]
         rows = x.index_select(0, token_of)
         out = torch.empty_like(rows)
         start = 0

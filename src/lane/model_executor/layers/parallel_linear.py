@@ -24,6 +24,12 @@ from lane.model_executor.layers.vocab_embedding import VocabEmbedding
 from lane.tracing import Step
 
 
+def _check_rows(tensor, dim: int, want: int, what: str) -> None:
+    """A checkpoint tensor must be the whole weight (or fused part) before a rank takes its slice."""
+    if tensor.shape[dim] != want:
+        raise ValueError(f"checkpoint {what}: {tensor.shape[dim]} along dim {dim}, the model expects {want}")
+
+
 def reduce_partial(tp: GroupCoordinator, y: torch.Tensor, step: int, compute_step: int | None = None) -> torch.Tensor:
     """All-reduce a row-parallel partial sum at ``step``; ``compute_step``: the step whose time
     ends here (the FFN's, before its reduce), so the trace splits compute from the collective."""
@@ -48,6 +54,7 @@ class ColumnParallelLinear(Linear):
         tp = tp or get_tp_group()
         sizes = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
         r, n = tp.rank_in_group, tp.world_size
+        self.output_sizes = sizes
         self.part_slices = part_slices or [(r * (s // n), s // n) for s in sizes]
         super().__init__(in_features, sum(length for _, length in self.part_slices), bias, dtype=dtype,
                          quantizable=quantizable)
@@ -55,7 +62,10 @@ class ColumnParallelLinear(Linear):
 
     def shard(self, tensor, part: int | None, attr: str = "weight"):
         """(this rank's rows of a checkpoint tensor, where they go in the local weight)."""
+        if part is None and len(self.output_sizes) > 1 and self.tp_size == 1:
+            return tensor, 0  # the fused weight whole: it goes in as it is
         part = part or 0
+        _check_rows(tensor, 0, self.output_sizes[part], f"part {part} of a {len(self.output_sizes)}-part layer")
         start, length = self.part_slices[part]
         offset = sum(length for _, length in self.part_slices[:part])
         return (tensor if self.tp_size == 1 else tensor.narrow(0, start, length)), offset
@@ -79,6 +89,7 @@ class RowParallelLinear(Linear):
             return tensor, 0
         if attr == "bias":  # summed over ranks: rank 0 adds it
             return (tensor if self.tp.rank_in_group == 0 else torch.zeros_like(tensor)), 0
+        _check_rows(tensor, 1, self.full_in_features, "input features")
         k = self.in_features
         return tensor.narrow(1, self.tp.rank_in_group * k, k), 0
 
@@ -122,6 +133,7 @@ class VocabParallelEmbedding(VocabEmbedding):
     def shard(self, tensor, part: int | None = None, attr: str = "weight"):
         if self.tp.world_size == 1:
             return tensor, 0
+        _check_rows(tensor, 0, self.full_vocab_size, "vocabulary rows")
         return tensor.narrow(0, self.vocab_start, self.vocab_end - self.vocab_start), 0
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

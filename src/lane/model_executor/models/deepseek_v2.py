@@ -221,11 +221,9 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
             module, _, attr = name.rpartition(".")
             self.get_submodule(module).load_stacked(attr, materialize(tensor))
             return name
-        if name.endswith((".q_b_proj.weight", ".q_proj.weight")) or ".kv_a_proj_with_mqa." in name:
-            tensor = materialize(tensor)  # regrouped whole, then split
         if name.endswith((".q_b_proj.weight", ".q_proj.weight")):
-            # regrouped [every nope | every rope]: each part split by heads on its own
-            tensor = self._regroup_q(tensor)
+            # regrouped whole to [every nope | every rope]; each part then split by heads on its own
+            tensor = self._regroup_q(materialize(tensor))
             module = self.get_submodule(name.rpartition(".")[0])
             n = self.config.num_attention_heads * self.config.qk_nope_head_dim
             with torch.no_grad():
@@ -234,6 +232,7 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
                     module.weight.narrow(0, offset, rows.shape[0]).copy_(rows)
             return name
         if ".kv_a_proj_with_mqa." in name:
+            tensor = materialize(tensor)
             tensor = torch.cat((tensor[:self.config.kv_lora_rank],
                                 self._deinterleave(tensor[self.config.kv_lora_rank:])))
         return super().load_weight(params, name, tensor)

@@ -214,7 +214,7 @@ class LlamaForCausalLM(nn.Module):
                 return target
         param = params[target]
         with torch.no_grad():
-            if offset is not None and (shard is not None or param.shape != tensor.shape):
+            if shard is not None and offset is not None:  # a fused part, already this rank's rows
                 param.narrow(0, offset, tensor.shape[0]).copy_(tensor)
             elif shard is None:
                 if param.shape != tensor.shape:
