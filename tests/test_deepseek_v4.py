@@ -232,7 +232,8 @@ def test_transformers_internal_weight_names_load(v4, hf, tmp_path):
     state = {k: v.contiguous() for k, v in hf.state_dict().items()}
     assert "model.layers.1.mlp.experts.gate_up_proj" in state and "lm_head.weight" in state
     save_file(state, str(d / "model.safetensors"))
-    a = dict(_llm(v4).engine.worker.model.named_parameters())
+    # (transformers keeps no MTP layer: the copy has none)
+    a = {k: v for k, v in _llm(v4).engine.worker.model.named_parameters() if not k.startswith("mtp.")}
     b = dict(_llm(str(d)).engine.worker.model.named_parameters())
     assert a.keys() == b.keys()
     for name in a:

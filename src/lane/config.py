@@ -209,12 +209,83 @@ class ParallelConfig:
         check_layout(hf_config, self.tensor_parallel_size, self.enable_expert_parallel)
 
 
+SPECULATIVE_METHODS = ("ngram", "mtp")
+_SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+
+
+@dataclass
+class SpeculativeConfig:
+    """``--speculative-config`` (vLLM's spelling): draft ``num_speculative_tokens`` tokens a
+    step with n-gram prompt lookup or the model's own MTP layers, verify them in one pass."""
+    method: str
+    num_speculative_tokens: int | None = None  # MTP: the model's MTP depth when not given
+    prompt_lookup_min: int | None = None  # n-gram: both 5 when neither is given (vLLM's default)
+    prompt_lookup_max: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method == "deepseek_mtp":  # vLLM's older name
+            self.method = "mtp"
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"--speculative-config method {self.method!r} is not one of "
+                             f"{', '.join(SPECULATIVE_METHODS)}")
+        k = self.num_speculative_tokens
+        if self.method == "ngram":
+            if k is None:
+                raise ValueError("--speculative-config: method 'ngram' needs num_speculative_tokens")
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            lo, hi = (lo or hi or 5), (hi or lo or 5)
+            if not 1 <= lo <= hi:
+                raise ValueError(f"--speculative-config: need 1 <= prompt_lookup_min ({lo}) <= "
+                                 f"prompt_lookup_max ({hi})")
+            self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
+        if k is not None and not 1 <= k <= 16:
+            raise ValueError(f"--speculative-config: num_speculative_tokens must be in [1, 16], got {k}")
+
+    @classmethod
+    def parse(cls, value: "str | dict | SpeculativeConfig | None") -> "SpeculativeConfig | None":
+        """A JSON object (the flag's text) or a dict (``LLM(speculative_config=...)``)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            import json
+
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ValueError(f"--speculative-config is not JSON: {e}") from None
+        if not isinstance(value, dict) or "method" not in value:
+            raise ValueError('--speculative-config must be an object with a "method", e.g. '
+                             '{"method": "ngram", "num_speculative_tokens": 3}')
+        if unknown := sorted(set(value) - set(_SPEC_KEYS)):
+            raise ValueError(f"--speculative-config: unknown key(s) {', '.join(unknown)} "
+                             f"(known: {', '.join(_SPEC_KEYS)})")
+        return cls(**value)
+
+    def check_model(self, hf_config, architecture: str) -> None:
+        """Refuse a method the model cannot serve, by name; fill in MTP's default depth."""
+        if self.method != "mtp":
+            return
+        n = getattr(hf_config, "num_nextn_predict_layers", 0) or 0
+        if not n:
+            raise ValueError(f"--speculative-config method 'mtp' needs a model with MTP layers: {architecture} "
+                             f"has num_nextn_predict_layers=0 (use method 'ngram')")
+        if self.num_speculative_tokens is None:
+            self.num_speculative_tokens = n
+
+    @property
+    def num_lookahead_slots(self) -> int:
+        """Slots past the verified tokens a step writes: MTP's drafting runs its layer at the
+        draft positions (n-gram writes none)."""
+        return self.num_speculative_tokens if self.method == "mtp" else 0
+
+
 @dataclass
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative_config: SpeculativeConfig | None = None
     threads: int | None = None
     load_threads: int = 4
     show_progress: bool = True
@@ -223,6 +294,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         self.scheduler_config.max_model_len = self.model_config.max_model_len
         self.parallel_config.check_model(self.model_config.hf_config)
+        if self.speculative_config is not None:
+            self.speculative_config.check_model(self.model_config.hf_config,
+                                                (self.model_config.architectures or ["this model"])[0])
 
 
 class EngineArgsError(ValueError):
@@ -256,6 +330,7 @@ class EngineArgs:
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
     worker_timeout: float = 60.0
+    speculative_config: dict | str | None = None  # JSON text or a dict (SpeculativeConfig's fields)
 
     def create_parallel_config(self) -> ParallelConfig:
         return ParallelConfig(self.tensor_parallel_size, self.data_parallel_size, self.enable_expert_parallel,
@@ -276,4 +351,4 @@ class EngineArgs:
             CacheConfig(model_config.resolve_block_size(block_size), self.enable_prefix_caching,
                         self.kv_cache_memory_bytes),
             SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs),
-            self.create_parallel_config(), threads=self.threads, show_progress=self.show_progress, engine_args=self)
+            self.create_parallel_config(), SpeculativeConfig.parse(self.speculative_config), threads=self.threads, show_progress=self.show_progress, engine_args=self)

@@ -43,11 +43,14 @@ class RequestOutput:
 @dataclass
 class ModelRunnerOutput:
     """What the model runner returns for one step (vLLM's name): per request that reached
-    its last pending token, the tokens it sampled and, when asked for, their logprobs
+    its last pending token, the tokens it sampled (more than one when drafts were accepted)
+    and, when asked for, their logprobs
     (per token: (logprob, rank, [(token_id, logprob), ...]))."""
     req_ids: list[str] = field(default_factory=list)
     sampled_token_ids: list[list[int]] = field(default_factory=list)
     logprobs: list[list[tuple] | None] | None = None
+    # speculative decoding: each sampled request's drafts for its next step (same order)
+    spec_token_ids: list[list[int]] | None = None
 
     @property
     def req_id_to_index(self) -> dict[str, int]:

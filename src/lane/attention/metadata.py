@@ -23,6 +23,9 @@ class CommonAttentionMetadata:
     query_end: list[int]
     num_computed: list[int]  # tokens of the request already cached before this step
     fresh: list[bool]  # the request's first chunk since (re)admission
+    # drafts among each request's rows (speculative decoding), empty when none: such rows
+    # may be rejected after the step, and running state must be able to fall back
+    num_drafts: list[int] = field(default_factory=list)
 
     @property
     def num_reqs(self) -> int:
@@ -53,6 +56,7 @@ class RunningStateMetadata:
     decode_slots: torch.Tensor  # [B] long
     prefill_slots: list[int]
     prefill_fresh: list[bool]
+    prefill_verify: list[bool] = field(default_factory=list)  # the chunk ends in drafts
 
 
 def build_paged_metadata(common: CommonAttentionMetadata, block_ids: list[list[int]],
@@ -81,7 +85,9 @@ def build_running_state_metadata(common: CommonAttentionMetadata, block_ids: lis
                                  ) -> RunningStateMetadata:
     nd = common.num_decodes
     return RunningStateMetadata(torch.tensor([ids[0] for ids in block_ids[:nd]], dtype=torch.long),
-                                [ids[0] for ids in block_ids[nd:]], common.fresh[nd:])
+                                [ids[0] for ids in block_ids[nd:]], common.fresh[nd:],
+                                [n > 0 for n in common.num_drafts[nd:]] if common.num_drafts
+                                else [False] * (common.num_reqs - nd))
 
 
 @dataclass

@@ -61,6 +61,9 @@ class KVCacheCoordinator:
             m.cache_blocks(request_id, block_hashes, num_computed_tokens // m.block_size)
             m.remove_skipped_blocks(request_id, num_computed_tokens)
 
+    def free_tail(self, request_id: str, num_tokens: int) -> int:
+        return sum(m.free_tail(request_id, num_tokens) for m in self.managers)
+
     def free(self, request_id: str) -> None:
         for m in self.managers:
             m.free(request_id)

@@ -51,11 +51,13 @@ class KVCacheManager:
         self.stats.hits += num_hit_tokens
 
     def allocate_slots(self, req: Request, num_new_tokens: int,
-                       new_computed_blocks: KVCacheBlocks | None = None) -> KVCacheBlocks | None:
-        """Slots for ``num_new_tokens`` more tokens in every group (step 18 / 42): the new
-        blocks, or None if a pool cannot supply them (the caller then preempts)."""
+                       new_computed_blocks: KVCacheBlocks | None = None,
+                       num_lookahead_tokens: int = 0) -> KVCacheBlocks | None:
+        """Slots for ``num_new_tokens`` more tokens in every group (step 18 / 42), plus
+        ``num_lookahead_tokens`` past them (an MTP drafter's own positions): the new blocks,
+        or None if a pool cannot supply them (the caller then preempts)."""
         hit = new_computed_blocks or self.coordinator.empty()
-        total = req.num_computed_tokens + hit.num_blocks * self.block_size + num_new_tokens
+        total = req.num_computed_tokens + hit.num_blocks * self.block_size + num_new_tokens + num_lookahead_tokens
         return self.coordinator.allocate(req.request_id, total, hit)
 
     def cache_blocks(self, req: Request) -> None:
@@ -64,6 +66,11 @@ class KVCacheManager:
         if self.enable_caching:
             self.update_block_hashes(req)
         self.coordinator.cache_blocks(req.request_id, req.block_hashes, req.num_computed_tokens)
+
+    def free_unused_slots(self, req: Request, num_tokens: int) -> int:
+        """Step 48: give back the request's blocks past its first ``num_tokens`` tokens
+        (rejected drafts' and lookahead slots). Returns the blocks freed."""
+        return self.coordinator.free_tail(req.request_id, num_tokens)
 
     def free(self, req: Request) -> None:
         """Step 52: release a finished or preempted request's blocks (and state slot)."""

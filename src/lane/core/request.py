@@ -49,6 +49,10 @@ class Request:
     stop_reason: int | str | None = None
     # chained hashes of this request's full blocks, grown as tokens arrive
     block_hashes: list[bytes] = field(default_factory=list)
+    # drafts proposed by the last step, scheduled (and verified) in the next one; never in
+    # all_token_ids, whose tokens are all verified
+    spec_token_ids: list[int] = field(default_factory=list)
+    blocks_trimmed: bool = False  # blocks given back since the workers last saw its tables
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -17,14 +17,14 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from lane.config import SchedulerConfig
+from lane.config import SchedulerConfig, SpeculativeConfig
 from lane.core.kv_cache_coordinator import KVCacheBlocks
 from lane.core.kv_cache_manager import KVCacheManager
 from lane.core.request import Request, RequestStatus
 from lane.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from lane.engine.messages import EngineCoreOutput
 from lane.kv_cache_interface import KVCacheConfig
-from lane.metrics.stats import SchedulerStats
+from lane.metrics.stats import SchedulerStats, SpecDecodingStats
 from lane.outputs import ModelRunnerOutput
 from lane.tracing.steps import Step
 
@@ -41,8 +41,12 @@ class RequestEvent:
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, kv_cache_config: KVCacheConfig,
                  enable_prefix_caching: bool = True, eos_token_ids: list[int] | None = None,
-                 log_events: bool = False) -> None:
+                 log_events: bool = False, speculative_config: SpeculativeConfig | None = None) -> None:
         self.config = scheduler_config
+        # speculative decoding: drafts come back from the runner, are scheduled like any other
+        # tokens, and what the target rejects is rolled back (steps 45-48)
+        self.num_lookahead = speculative_config.num_lookahead_slots if speculative_config else 0
+        self.spec_stats = SpecDecodingStats(speculative_config.num_speculative_tokens) if speculative_config else None
         self.max_model_len = scheduler_config.max_model_len
         self.kv = KVCacheManager(kv_cache_config, enable_prefix_caching)
         self.eos_token_ids = set(eos_token_ids or [])
@@ -65,7 +69,8 @@ class Scheduler:
 
     def make_stats(self) -> SchedulerStats:
         return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage,
-                              self.kv.stats.queries, self.kv.stats.hits, self.num_preemptions)
+                              self.kv.stats.queries, self.kv.stats.hits, self.num_preemptions,
+                              self.spec_stats.copy() if self.spec_stats else None)
 
     def drain_events(self) -> list[RequestEvent]:
         out, self.events = self.events or [], [] if self.events is not None else None
@@ -85,12 +90,14 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)  # step 17: chunk
+            pending = req.num_tokens - req.num_computed_tokens
+            n = min(pending + len(req.spec_token_ids), budget)  # step 17: chunk (drafts count too)
             if n <= 0:
                 i += 1
                 continue
+            drafts = req.spec_token_ids[:max(n - pending, 0)]  # those the budget leaves room for
             t_alloc = time.monotonic() if log else 0.0
-            while (new_blocks := self.kv.allocate_slots(req, n)) is None:  # step 18 / 42
+            while (new_blocks := self.kv.allocate_slots(req, n, None, self.num_lookahead)) is None:  # 18 / 42
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted_req_ids.append(victim.request_id)
@@ -101,8 +108,10 @@ class Scheduler:
                 break
             self._add_cached(cached, req, new_blocks, resumed=False)
             out.num_scheduled_tokens[req.request_id] = n
+            if drafts:
+                out.scheduled_spec_decode_tokens[req.request_id] = drafts
             if log:
-                self._log_running(req, n, t_alloc)
+                self._log_running(req, n - len(drafts), t_alloc)
             budget -= n
             i += 1
 
@@ -116,7 +125,7 @@ class Scheduler:
                 hit, n_hit = self.kv.get_computed_blocks(req)  # step 16
             n = min(req.num_tokens - req.num_computed_tokens - n_hit, budget)
             t_alloc = time.monotonic() if log else 0.0
-            new_blocks = self.kv.allocate_slots(req, n, hit)
+            new_blocks = self.kv.allocate_slots(req, n, hit, self.num_lookahead)
             if new_blocks is None:
                 break
             if log:
@@ -156,7 +165,10 @@ class Scheduler:
                     resumed: bool) -> None:
         cached.req_ids.append(req.request_id)
         cached.resumed_from_preemption.append(resumed)
-        if resumed:  # every block is new: the whole tables
+        replaced = resumed or req.blocks_trimmed
+        cached.block_ids_replaced.append(replaced)
+        req.blocks_trimmed = False
+        if replaced:  # every block is new, or the tables were cut back: the whole tables
             ids = self.kv.get_block_ids(req.request_id)
         else:  # the appended blocks, None when no group grew
             ids = new_blocks.get_block_ids()
@@ -182,6 +194,7 @@ class Scheduler:
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.spec_token_ids = []  # drafted from a state it no longer has
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -195,18 +208,26 @@ class Scheduler:
             if req is None or req.status != RequestStatus.RUNNING:
                 continue  # finished or aborted meanwhile
             req.num_computed_tokens += n
-            self.kv.cache_blocks(req)
             i = index.get(rid)
             if i is None:
+                self.kv.cache_blocks(req)
                 continue  # a prefill chunk that is not the last one
+            sampled = runner_output.sampled_token_ids[i]
+            if drafts := sched.scheduled_spec_decode_tokens.get(rid):
+                self._rollback(req, len(drafts), len(sampled) - 1)
             logprobs = runner_output.logprobs[i] if runner_output.logprobs is not None else None
             new_ids: list[int] = []
             status = None
-            for tok in runner_output.sampled_token_ids[i]:
+            for tok in sampled:
                 req.append_output_token(tok)
                 new_ids.append(tok)
                 if (status := self._check_stop(req, tok)) is not None:
                     break
+            # a stop inside accepted drafts: what follows it was computed but is not kept
+            req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
+            self.kv.cache_blocks(req)  # verified tokens only: drafts never reach the prefix cache
+            req.spec_token_ids = (runner_output.spec_token_ids[i] if runner_output.spec_token_ids
+                                  and status is None else [])
             out = EngineCoreOutput(rid, new_ids, logprobs[:len(new_ids)] if logprobs is not None else None,
                                    num_cached_tokens=max(req.num_cached_tokens, 0))
             if req.num_output_tokens == len(new_ids):  # its first tokens
@@ -218,6 +239,19 @@ class Scheduler:
                 out.stop_reason = req.stop_reason
             outputs.append(out)
         return outputs
+
+    def _rollback(self, req: Request, num_drafts: int, num_accepted: int) -> None:
+        """Step 48: computed tokens fall back by the rejected drafts; blocks that held only
+        rejected drafts (and lookahead slots) go back to the pool."""
+        t0 = time.monotonic() if self.events is not None else 0.0
+        rejected = num_drafts - num_accepted
+        req.num_computed_tokens -= rejected
+        self.spec_stats.observe(num_drafts, num_accepted)
+        freed = self.kv.free_unused_slots(req, req.num_computed_tokens + 1) if rejected else 0
+        req.blocks_trimmed |= freed > 0
+        if self.events is not None:
+            self._event(Step.KV_ROLLBACK, t0, time.monotonic(), req, drafts=num_drafts, accepted=num_accepted,
+                        rejected=rejected, blocks_freed=freed, computed_tokens=req.num_computed_tokens)
 
     def _check_stop(self, req: Request, token_id: int) -> RequestStatus | None:
         sp = req.sampling_params

@@ -28,6 +28,8 @@ class CachedRequestData:
     resumed_from_preemption: list[bool] = field(default_factory=list)
     new_block_ids: list[tuple[list[int], ...] | None] = field(default_factory=list)  # per group, appended
     num_computed_tokens: list[int] = field(default_factory=list)
+    # the tables were cut back (rejected drafts' blocks given back): new_block_ids are the whole tables
+    block_ids_replaced: list[bool] = field(default_factory=list)
 
     @property
     def num_reqs(self) -> int:
@@ -44,6 +46,8 @@ class SchedulerOutput:
     finished_req_ids: list[str] = field(default_factory=list)
     # preempted this step: their blocks are gone, they come back as resumed
     preempted_req_ids: list[str] = field(default_factory=list)
+    # req id -> draft tokens scheduled (after its pending tokens) to be verified this step
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

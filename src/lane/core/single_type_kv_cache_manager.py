@@ -79,6 +79,18 @@ class SingleTypeKVCacheManager:
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Release blocks no future query can see (only a sliding window has any)."""
 
+    def free_tail(self, request_id: str, num_tokens: int) -> int:
+        """Free the blocks past those ``num_tokens`` tokens need (never cached: not yet full
+        of verified tokens). Returns how many."""
+        table = self.req_to_blocks.get(request_id)
+        keep = self._num_blocks_for(num_tokens)
+        if not table or len(table) <= keep:
+            return 0
+        tail = table[keep:]
+        del table[keep:]
+        self.pool.free_blocks(self._held(list(reversed(tail))))
+        return len(tail)
+
     def free(self, request_id: str) -> None:
         """Drop the request's references; its tail goes to the free queue first."""
         blocks = self.req_to_blocks.pop(request_id, [])
@@ -148,6 +160,9 @@ class RunningStateManager(SingleTypeKVCacheManager):
 
     def cache_blocks(self, request_id: str, block_hashes: list[bytes], num_full_blocks: int) -> None:
         pass  # a slot is per request: nothing to share
+
+    def free_tail(self, request_id: str, num_tokens: int) -> int:
+        return 0  # the slot holds the state of every token
 
 
 MANAGERS: dict[str, type[SingleTypeKVCacheManager]] = {

@@ -52,7 +52,8 @@ class EngineCore:
                           budget_mib=round(cc.budget_bytes() / 2**20, 1))
         self.warmup_s = self.executor.warmup()
         self.scheduler = Scheduler(config.scheduler_config, kv, cc.enable_prefix_caching,
-                                   config.model_config.eos_token_ids, log_events=tracer.enabled)
+                                   config.model_config.eos_token_ids, log_events=tracer.enabled,
+                                   speculative_config=config.speculative_config)
         self.kv_cache_bytes = kv.total_bytes
         # what start-up made (modules, weights' wrappers, the tokenizer) lives as long as the
         # engine: frozen, the collector stops re-walking it, 2-3 % of a decode step (as vLLM's
@@ -132,7 +133,9 @@ class EngineCore:
         if so.is_empty:
             return []
         reqs = self.scheduler.requests
-        decode = [rid for rid, n in so.num_scheduled_tokens.items() if n == 1 and reqs[rid].num_output_tokens]
+        spec = so.scheduled_spec_decode_tokens
+        decode = [rid for rid, n in so.num_scheduled_tokens.items()
+                  if n - len(spec.get(rid, ())) == 1 and reqs[rid].num_output_tokens]
         decode_set = set(decode)
         prefill = [rid for rid in so.num_scheduled_tokens if rid not in decode_set]
         batch = dict(batch=len(so.num_scheduled_tokens), tokens=so.total_num_scheduled_tokens)
@@ -185,7 +188,8 @@ class EngineCoreProc:
             engine_index, os.getpid(), kv.num_blocks[0] - 1, kv.block_size, self.core.kv_cache_bytes,
             config.cache_config.enable_prefix_caching, self.core.executor.threads,
             tracer.drain() if tracer.enabled else None,
-            skipped_steps(config.model_config.hf_config, config.parallel_config.tensor_parallel_size)
+            skipped_steps(config.model_config.hf_config, config.parallel_config.tensor_parallel_size,
+                          config.speculative_config is not None)
             if tracer.enabled else None))
         self._last_stats: SchedulerStats | None = None
         # Fault injection, for tests only: LANE_FAULT_INJECT=step:N makes this process's N-th

@@ -44,6 +44,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory-bytes", type=parse_bytes, default=None,
                    help="KV cache budget (default: a quarter of free RAM, at most 4 GiB)")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' '
+                        'or \'{"method": "mtp", "num_speculative_tokens": 2}\'')
     d = p.add_argument_group("parallelism")
     d.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="ranks each model replica is split over (attention heads, FFN, experts, vocabulary)")
@@ -78,7 +81,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 data_parallel_size=args.data_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
                 distributed_executor_backend=args.distributed_executor_backend, nnodes=args.nnodes,
                 node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
-                worker_timeout=args.worker_timeout)
+                worker_timeout=args.worker_timeout, speculative_config=args.speculative_config)
 
 
 def cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

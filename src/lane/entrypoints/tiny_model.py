@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 COMMON = dict(vocab_size=49152, hidden_size=64, max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,
               initializer_range=0.2, rms_norm_eps=1e-6, tie_word_embeddings=False)
@@ -85,10 +86,15 @@ def write_tiny_model(arch: str, out_dir: str, seed: int = 0, fp8: bool = False, 
     model.generation_config.bos_token_id, model.generation_config.eos_token_id = 1, 2
     model.generation_config.save_pretrained(out_dir)
     ModelConfig(None).get_tokenizer().save_pretrained(out_dir)  # SmolLM2's, from the packaged GGUF
-    if arch == "deepseek_v4" and fp8:
+    if arch == "deepseek_v4":
         main = os.path.join(out_dir, "model.safetensors")
-        save_file(quantize_checkpoint(load_file(main), FP8_BLOCK, _V4_FP8, ".scale"), main, metadata={"format": "pt"})
-        _add_fp8_config(out_dir)
+        tensors = load_file(main)
+        mtp = _v4_mtp_tensors(tensors, config)
+        if fp8:
+            save_file(quantize_checkpoint(tensors, FP8_BLOCK, _V4_FP8, ".scale"), main, metadata={"format": "pt"})
+            mtp = quantize_checkpoint(mtp, FP8_BLOCK, _V4_FP8, ".scale")
+            _add_fp8_config(out_dir)
+        save_file(mtp, os.path.join(out_dir, "model-mtp.safetensors"))
     if deepseek:
         main = os.path.join(out_dir, "model.safetensors")
         tensors = load_file(main)
@@ -154,6 +160,34 @@ def _mtp_tensors(tensors: dict, config) -> dict:
     out[mtp + "shared_head.norm.weight"] = torch.ones(h)
     out[mtp + "shared_head.head.weight"] = 0.1 * torch.randn(config.vocab_size, h)
     out[mtp + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    return out
+
+
+def _v4_mtp_tensors(tensors: dict, config) -> dict:
+    """``mtp.0.*`` in the released names (DEEPSEEK_V4.md §4): a block with sliding-window
+    attention (the first SWA layer's, perturbed) and learned routing (the last layer's
+    MoE), plus e_proj / h_proj / enorm / hnorm / norm and its own hc_head."""
+    import torch
+
+    swa = config.layer_types.index("sliding_attention")
+    moe = max(i for i, t in enumerate(config.mlp_layer_types) if t == "moe")
+    out = {}
+    for k, v in tensors.items():
+        m = re.match(r"model\.layers\.(\d+)\.(.*)", k)
+        if not m:
+            continue
+        layer, rest = int(m.group(1)), m.group(2)
+        if layer == (moe if rest.startswith(("mlp.", "ffn.")) else swa) and not rest.endswith("tid2eid"):
+            name = f"mtp.0.{rest}"  # transformers saves V4 under the released names, as the MTP's are
+            out[name] = (v + 0.01 * torch.randn_like(v)).contiguous() if v.is_floating_point() else v.clone()
+    D, n = config.hidden_size, config.hc_mult
+    for norm in ("enorm", "hnorm", "norm"):
+        out[f"mtp.0.{norm}.weight"] = torch.ones(D) + 0.1 * torch.randn(D)
+    out["mtp.0.e_proj.weight"] = 0.2 * torch.randn(D, D)
+    out["mtp.0.h_proj.weight"] = 0.2 * torch.randn(D, D)
+    out["mtp.0.hc_head_fn"] = tensors["model.hc_head.hc_fn"] + 0.01 * torch.randn(n, n * D)
+    out["mtp.0.hc_head_base"] = 0.1 * torch.randn(n)
+    out["mtp.0.hc_head_scale"] = tensors["model.hc_head.hc_scale"].clone()
     return out
 
 

@@ -8,7 +8,7 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from lane.metrics.stats import IterationStats, SchedulerStats
+from lane.metrics.stats import IterationStats, SchedulerStats, SpecDecodingStats
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +45,11 @@ class PrometheusStatLogger:
         self.prefix_hits = counter("vllm:prefix_cache_hits",
                                    "Prefix cache hits, in terms of number of cached tokens.")
         self.preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions.")
+        self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
+        self.spec_accepted = counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.")
+        self.spec_accepted_per_pos = counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                             "Accepted tokens per draft position.", ["position"])
         # counted by the frontend: a refused request never reaches the engine it is labelled with
         self.refused = counter("vllm:num_requests_refused",
                                "Requests refused with 503 because the engine they would go to had "
@@ -107,6 +112,13 @@ class PrometheusStatLogger:
             self.prefix_queries.labels(*lv).inc(max(s.prefix_cache_queries - last.prefix_cache_queries, 0))
             self.prefix_hits.labels(*lv).inc(max(s.prefix_cache_hits - last.prefix_cache_hits, 0))
             self.preemptions.labels(*lv).inc(max(s.num_preemptions - last.num_preemptions, 0))
+            if (sd := s.spec_decoding) is not None:
+                prev = last.spec_decoding or SpecDecodingStats(sd.num_spec_tokens)
+                self.spec_drafts.labels(*lv).inc(sd.num_drafts - prev.num_drafts)
+                self.spec_draft_tokens.labels(*lv).inc(sd.num_draft_tokens - prev.num_draft_tokens)
+                self.spec_accepted.labels(*lv).inc(sd.num_accepted_tokens - prev.num_accepted_tokens)
+                for pos, (a, b) in enumerate(zip(sd.num_accepted_tokens_per_pos, prev.num_accepted_tokens_per_pos)):
+                    self.spec_accepted_per_pos.labels(*lv, str(pos)).inc(a - b)
             self._last[engine_index] = s
         if iteration_stats is None:
             return
@@ -145,6 +157,7 @@ class LoggingStatLogger:
         self.num_generation_tokens = 0
         self.queries_at_last_log = self.stats.prefix_cache_queries
         self.hits_at_last_log = self.stats.prefix_cache_hits
+        self.spec_at_last_log = self.stats.spec_decoding
 
     def record(self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None) -> None:
         if scheduler_stats is not None:
@@ -170,5 +183,19 @@ class LoggingStatLogger:
             self.engine_index, self.num_prompt_tokens / dt, self.num_generation_tokens / dt,
             s.num_running_reqs, s.num_waiting_reqs, 100 * s.kv_cache_usage,
             100 * hits / queries if queries else 0.0)
+        if (sd := s.spec_decoding) is not None:
+            self._log_spec(sd, self.spec_at_last_log or SpecDecodingStats(sd.num_spec_tokens))
         self._logged_idle = idle
         self._reset(now)
+
+    def _log_spec(self, now: SpecDecodingStats, then: SpecDecodingStats) -> None:
+        drafts = now.num_drafts - then.num_drafts
+        if not drafts:
+            return
+        proposed = now.num_draft_tokens - then.num_draft_tokens
+        accepted = now.num_accepted_tokens - then.num_accepted_tokens
+        per_pos = [(a - b) / drafts for a, b in zip(now.num_accepted_tokens_per_pos, then.num_accepted_tokens_per_pos)]
+        logger.info("SpecDecoding metrics: Mean acceptance length: %.2f, Drafted: %d tokens, Accepted: %d tokens, "
+                    "Per-position acceptance rate: %s, Avg Draft acceptance rate: %.1f%%",
+                    1 + accepted / drafts, proposed, accepted,
+                    ", ".join(f"{r:.3f}" for r in per_pos), 100 * accepted / proposed if proposed else 0.0)

@@ -19,6 +19,31 @@ class SchedulerStats:
     prefix_cache_queries: int = 0  # tokens looked up
     prefix_cache_hits: int = 0  # tokens found
     num_preemptions: int = 0
+    spec_decoding: "SpecDecodingStats | None" = None  # with speculative decoding
+
+
+@dataclass
+class SpecDecodingStats:
+    """Cumulative, like the prefix-cache counts (vLLM's names)."""
+    num_spec_tokens: int  # k: drafts a step proposes at most
+    num_drafts: int = 0  # verifications of one request's drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0  # drafts accepted (the target's own token not counted)
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # [k]: accepted at draft position i
+
+    def __post_init__(self) -> None:
+        self.num_accepted_tokens_per_pos = self.num_accepted_tokens_per_pos or [0] * self.num_spec_tokens
+
+    def observe(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+        for i in range(num_accepted_tokens):
+            self.num_accepted_tokens_per_pos[i] += 1
+
+    def copy(self) -> "SpecDecodingStats":
+        return SpecDecodingStats(self.num_spec_tokens, self.num_drafts, self.num_draft_tokens,
+                                 self.num_accepted_tokens, list(self.num_accepted_tokens_per_pos))
 
 
 @dataclass

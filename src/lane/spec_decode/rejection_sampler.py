@@ -30,17 +30,19 @@ def _uniform(counts: list[int], width: int, generators: list[torch.Generator | N
 
 
 def _sample(probs: torch.Tensor, generators: list[torch.Generator | None] | None) -> torch.Tensor:
-    """One token per row of probs [B, V] (rows need not be normalised)."""
-    cdf = probs.double().cumsum(-1)
-    u = _uniform([1] * probs.shape[0], 1, generators).double() * cdf[:, -1:]
-    return torch.searchsorted(cdf, u).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
+    """One token per row of probs [B, V] (rows need not be normalised): the sampler's inverse
+    CDF with its one draw u in (0, 1], so a seeded row without drafts samples exactly as it
+    would with no speculation in the step."""
+    cdf = probs.float().cumsum(-1)
+    u = 1.0 - _uniform([1] * probs.shape[0], 1, generators)
+    return torch.searchsorted(cdf, u * cdf[:, -1:]).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
 
 
 def rejection_sample(draft_ids: torch.Tensor, target_probs: torch.Tensor, draft_probs: torch.Tensor | None = None,
                      num_drafts: list[int] | None = None, greedy: bool = False,
                      generators: list[torch.Generator | None] | None = None) -> list[list[int]]:
-    """draft_ids [B, k]; target_probs [B, k + 1, V] (target logits' argmax order suffices when
-    greedy); draft_probs [B, k, V], or None for one-hot drafts (n-gram); num_drafts: each row's
+    """draft_ids [B, k]; target_probs [B, k + 1, V] (when greedy, the target's logits or its
+    argmax ids [B, k + 1] suffice); draft_probs [B, k, V], or None for one-hot drafts (n-gram); num_drafts: each row's
     real drafts (<= k; the rest is padding). Returns each row's tokens: its accepted drafts,
     then one token from the target (1 .. k + 1 tokens)."""
     B, k = draft_ids.shape
@@ -49,7 +51,7 @@ def rejection_sample(draft_ids: torch.Tensor, target_probs: torch.Tensor, draft_
     real = pos < n[:, None]
     d = draft_ids.clamp(min=0)
     if greedy:
-        target = target_probs.argmax(-1)  # [B, k + 1]
+        target = target_probs if target_probs.dim() == 2 else target_probs.argmax(-1)  # [B, k + 1]
         ok = (target[:, :k] == d) & real
     else:
         p = target_probs[:, :k].gather(2, d[..., None]).squeeze(-1)
@@ -60,11 +62,10 @@ def rejection_sample(draft_ids: torch.Tensor, target_probs: torch.Tensor, draft_
     accepted = torch.cumprod(ok.int(), dim=1).sum(1)  # [B]
     out = []
     rows = torch.arange(B)
-    last = target_probs[rows, accepted]  # [B, V]: where the row's final token comes from
     if greedy:
-        final = last.argmax(-1)
+        final = target[rows, accepted]
     else:
-        residual = last.clone()
+        residual = target_probs[rows, accepted].clone()  # [B, V]: where the row's final token comes from
         rejected = accepted < n  # replaced, not a bonus: from norm(max(p - q, 0))
         if rejected.any():
             r = rows[rejected]

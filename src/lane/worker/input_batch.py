@@ -22,6 +22,7 @@ class CachedRequestState:
     generator: torch.Generator | None = None  # a seeded request draws from its own, whatever its batch
     output_token_ids: list[int] = field(default_factory=list)
     fresh: bool = True  # its next chunk is the first since (re)admission: running state starts anew
+    draft_probs: torch.Tensor | None = None  # [drafts, V]: the MTP's q of its sampled drafts
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)  # prompt + output
@@ -39,7 +40,8 @@ class CachedRequestState:
 class ScheduledRequest:
     """One request of this step's batch."""
     state: CachedRequestState
-    num_tokens: int  # computed for it this step
+    num_tokens: int  # computed for it this step, drafts included
+    drafts: list[int] = field(default_factory=list)  # to verify: the last len(drafts) of its tokens
 
     @property
     def is_decode(self) -> bool:
@@ -49,7 +51,12 @@ class ScheduledRequest:
     @property
     def samples(self) -> bool:
         """Whether this step reaches the request's last token (so a token is sampled)."""
-        return self.state.num_computed_tokens + self.num_tokens == self.state.num_tokens
+        return self.state.num_computed_tokens + self.num_tokens == self.state.num_tokens + len(self.drafts)
+
+    def input_ids(self) -> list[int]:
+        st = self.state
+        ids = st.token_ids[st.num_computed_tokens:st.num_computed_tokens + self.num_tokens]
+        return ids + self.drafts if self.drafts else ids
 
 
 class InputBatch:
@@ -78,8 +85,12 @@ class InputBatch:
             new_ids = cached.new_block_ids[i]
             if cached.resumed_from_preemption[i]:
                 st.block_ids, st.fresh = tuple(list(ids) for ids in new_ids), True
+            elif cached.block_ids_replaced and cached.block_ids_replaced[i]:
+                st.block_ids = tuple(list(ids) for ids in new_ids)
             elif new_ids is not None:
                 for table, ids in zip(st.block_ids, new_ids):
                     table.extend(ids)
-        batch = [ScheduledRequest(self.requests[rid], n) for rid, n in so.num_scheduled_tokens.items()]
+        spec = so.scheduled_spec_decode_tokens
+        batch = [ScheduledRequest(self.requests[rid], n, spec.get(rid, []))
+                 for rid, n in so.num_scheduled_tokens.items()]
         return sorted(batch, key=lambda s: not s.is_decode)  # stable: decodes first, in order

@@ -18,11 +18,15 @@ from lane import platform, tracing
 from lane.attention.metadata import CommonAttentionMetadata, set_forward_context
 from lane.core.scheduler_output import SchedulerOutput
 from lane.kv_cache_interface import STATE, KVCacheConfig, KVCacheSpec
-from lane.model_executor.layers.attention import CacheLayer, cache_layers, kv_cache_specs
-from lane.model_executor.layers.sampler import SamplingMetadata, sample
+from lane.model_executor.layers.attention import Attention, CacheLayer, cache_layers, kv_cache_specs
+from lane.config import SpeculativeConfig
+from lane.model_executor.layers.sampler import SamplingMetadata, sample, target_distribution, token_logprobs
 from lane.outputs import ModelRunnerOutput
+from lane.spec_decode.mtp_proposer import MtpProposer, MtpRows
+from lane.spec_decode.ngram_proposer import NgramProposer
+from lane.spec_decode.rejection_sampler import rejection_sample
 from lane.tracing import Step, tracer
-from lane.worker.input_batch import InputBatch, ScheduledRequest
+from lane.worker.input_batch import CachedRequestState, InputBatch, ScheduledRequest
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -38,7 +42,8 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
 
 class ModelRunner:
     def __init__(self, model: nn.Module, block_size: int, dtype: torch.dtype, device: torch.device,
-                 enable_prefix_caching: bool = True, eos_token_ids: list[int] | None = None) -> None:
+                 enable_prefix_caching: bool = True, eos_token_ids: list[int] | None = None,
+                 speculative_config: SpeculativeConfig | None = None, max_model_len: int | None = None) -> None:
         self.model = model
         self.eos_token_ids = list(eos_token_ids or [])  # masked, with stop_token_ids, before min_tokens
         self.block_size = block_size
@@ -55,6 +60,17 @@ class ModelRunner:
         self.kv_cache_config: KVCacheConfig | None = None
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.input_batch = InputBatch()
+        self._state_groups: list[int] = []  # running-state KV cache groups
+        self._verify_as_decodes = False
+        # speculative decoding (steps 45-47): drafts come from here, with the sampled tokens
+        self.spec = speculative_config
+        self.max_model_len = max_model_len or 1 << 62
+        self.ngram = self.mtp = None
+        if speculative_config is not None and speculative_config.method == "ngram":
+            self.ngram = NgramProposer(speculative_config.num_speculative_tokens, speculative_config.prompt_lookup_min,
+                                       speculative_config.prompt_lookup_max, max_model_len)
+        elif speculative_config is not None:
+            self.mtp = MtpProposer(model, speculative_config.num_speculative_tokens, self._attn_metadata)
 
     # -- step 8: the cache tensors -------------------------------------------
     def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
@@ -71,6 +87,9 @@ class ModelRunner:
                 t = zeros((n, *spec.shape), spec.dtype, self.device)
                 self.cache_layers[module].bind_kv_cache(attr, t, g)
                 self.kv_caches[name] = t
+        self._state_groups = [g for g, group in enumerate(kv_cache_config.groups) if group.kind == STATE]
+        self._verify_as_decodes = self.spec is not None and all(type(m) is Attention
+                                                                for m in self.cache_layers.values())
 
     # -- step 20: inputs ---------------------------------------------------------
     def _attn_metadata(self, common: CommonAttentionMetadata, block_ids: list[tuple[list[int], ...]]) -> list:
@@ -79,28 +98,57 @@ class ModelRunner:
                 for g, group in enumerate(self.kv_cache_config.groups)]
 
     def _prepare(self, batch: list[ScheduledRequest]):
+        """Step 20. With paged attention only, a request verifying drafts is one decode row per
+        token (each seeing the cache up to itself: a step's rows write their K/V before any
+        attends), so a verify step stays a decode step, fused kernel included."""
+        if self._verify_as_decodes:
+            batch = sorted(batch, key=lambda s: not (s.is_decode or (s.drafts and not s.state.fresh)))
         input_ids: list[int] = []
         positions: list[int] = []
-        starts: list[int] = []
-        ends: list[int] = []
+        starts: list[int] = []  # per attention entry: a request, or one row of a verifying request
+        num_computed: list[int] = []
+        fresh: list[bool] = []
+        drafts: list[int] = []
+        tables: list = []
+        num_decodes = 0
         for s in batch:
-            st = s.state
-            start = st.num_computed_tokens
-            starts.append(len(input_ids))
-            input_ids.extend(st.token_ids[start:start + s.num_tokens])
+            start = s.state.num_computed_tokens
+            rows = s.input_ids()
+            if s.is_decode or (self._verify_as_decodes and s.drafts and not s.state.fresh):
+                for j in range(len(rows)):
+                    starts.append(len(input_ids) + j)
+                    num_computed.append(start + j)
+                    tables.append(s.state.block_ids)
+                    fresh.append(False)
+                    drafts.append(0)
+                num_decodes += len(rows)
+            else:
+                starts.append(len(input_ids))
+                num_computed.append(start)
+                tables.append(s.state.block_ids)
+                fresh.append(s.state.fresh)
+                drafts.append(len(s.drafts))
+            input_ids.extend(rows)
             positions.extend(range(start, start + s.num_tokens))
-            ends.append(len(input_ids))
-        common = CommonAttentionMetadata(sum(s.is_decode for s in batch), starts, ends,
-                                         [s.state.num_computed_tokens for s in batch], [s.state.fresh for s in batch])
-        md = self._attn_metadata(common, [s.state.block_ids for s in batch])
-        # rows whose token is the request's last pending one: these get logits
-        sampling = [s for s in batch if s.samples]
-        sample_rows = [e - 1 for s, e in zip(batch, ends) if s.samples]
+        ends = starts[1:] + [len(input_ids)]
+        common = CommonAttentionMetadata(num_decodes, starts, ends, num_computed, fresh, drafts if self.spec else [])
+        md = self._attn_metadata(common, tables)
+        # rows whose token is the request's last pending one, and its drafts': these get logits
+        sampling, sample_rows, row = [], [], 0
+        for s in batch:
+            row += s.num_tokens
+            if s.samples:
+                sampling.append(s)
+                sample_rows.extend(range(row - 1 - len(s.drafts), row))
         return (torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
-                md, sample_rows, sampling)
+                md, sample_rows, sampling, batch)
 
     def _sampling_metadata(self, sampling: list[ScheduledRequest]) -> SamplingMetadata:
-        states = [s.state for s in sampling]
+        """One row per sampled position: a request with drafts has one per draft and one
+        after them, each seeing the drafts before it as output (penalties, min_tokens)."""
+        rows = [(s.state, s.drafts[:j]) for s in sampling for j in range(len(s.drafts) + 1)]
+        states = [st for st, _ in rows]
+        outputs = [st.output_token_ids + before if before else st.output_token_ids for st, before in rows]
         params = [st.sampling_params for st in states]
         temps = torch.tensor([p.temperature for p in params], dtype=torch.float32)
         md = SamplingMetadata(temperature=temps, all_greedy=all(p.greedy for p in params),
@@ -113,9 +161,9 @@ class ModelRunner:
             if any(p.min_p > 0.0 for p in params):
                 md.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
             md.generators = {i: st.generator for i, st in enumerate(states) if st.generator is not None}
-        for i, st in enumerate(states):
+        for i, (st, out) in enumerate(zip(states, outputs)):
             p = st.sampling_params
-            if len(st.output_token_ids) < p.min_tokens:
+            if len(out) < p.min_tokens:
                 stops = p.stop_token_ids + ([] if p.ignore_eos else self.eos_token_ids)
                 if stops:
                     md.masked_token_ids[i] = stops
@@ -124,7 +172,7 @@ class ModelRunner:
             md.frequency_penalty = torch.tensor([p.frequency_penalty for p in params])
             md.repetition_penalty = torch.tensor([p.repetition_penalty for p in params])
             md.prompt_token_ids = [st.prompt_token_ids for st in states]
-            md.output_token_ids = [st.output_token_ids for st in states]
+            md.output_token_ids = outputs
         return md
 
     # -- one step ------------------------------------------------------------------
@@ -133,35 +181,150 @@ class ModelRunner:
         prof = tracing.forward_profile()  # None unless tracing
         t0 = time.monotonic() if prof else 0.0
         batch = self.input_batch.update(so)
-        input_ids, positions, md, sample_rows, sampling = self._prepare(batch)  # step 20
+        input_ids, positions, md, sample_rows, sampling, batch = self._prepare(batch)
         for s in batch:
             s.state.fresh = False
+        verifying = [s for s in sampling if s.drafts]
         if prof:
             ids = [s.state.req_id for s in batch]
             nd = sum(s.is_decode for s in batch)
             tracer.record(Step.RUNNER_PREPARE_INPUTS, t0, time.monotonic(), ids, tokens=len(input_ids),
                           decodes=nd, prefill_chunks=len(batch) - nd)
+            t_forward = time.monotonic()
             prof.begin()
         with set_forward_context(md):
             hidden = self.model(input_ids, positions)
-        if not sample_rows:
+        if not sample_rows and self.mtp is None:
             if prof:
                 prof.emit(ids, self.num_layers, self.attention_attrs)
             return ModelRunnerOutput()
-        logits = self.model.compute_logits(hidden[sample_rows])  # step 32
+        logits = self.model.compute_logits(hidden[sample_rows]) if sample_rows else None  # step 32
         if prof:
             prof.mark(Step.MODEL_LM_HEAD)
             prof.emit(ids, self.num_layers, self.attention_attrs)
+            if verifying:  # step 46: the forward that scored the drafts
+                tracer.record(Step.MODEL_VERIFY, t_forward, time.monotonic(), [s.state.req_id for s in verifying],
+                              drafts=sum(len(s.drafts) for s in verifying), requests=len(verifying))
             t_sample = time.monotonic()
-        out = sample(logits, self._sampling_metadata(sampling))  # step 34
-        if prof:
+        if verifying:
+            tokens, logprobs = self._verify(logits, sampling)  # step 47
+            if prof:
+                tracer.record(Step.RUNNER_REJECTION_SAMPLE, t_sample, time.monotonic(),
+                              [s.state.req_id for s in verifying], drafts=sum(len(s.drafts) for s in verifying),
+                              accepted=sum(len(t) - 1 for s, t in zip(sampling, tokens) if s.drafts))
+        elif sampling:
+            out = sample(logits, self._sampling_metadata(sampling))  # step 34
+            tokens = [[tok] for tok in out.token_ids]
+            logprobs = [[lp] if lp is not None else None for lp in out.logprobs]
+        else:
+            tokens, logprobs = [], []
+        if prof and sampling:
             tracer.record(Step.RUNNER_SAMPLE, t_sample, time.monotonic(), [s.state.req_id for s in sampling],
-                          rows=len(sampling), greedy=all(s.state.sampling_params.greedy for s in sampling))
-        for s, tok in zip(sampling, out.token_ids):
-            s.state.append_output_token(tok)
-        return ModelRunnerOutput([s.state.req_id for s in sampling], [[tok] for tok in out.token_ids],
-                                 [[lp] if lp is not None else None for lp in out.logprobs]
-                                 if any(lp is not None for lp in out.logprobs) else None)
+                          rows=len(sample_rows), greedy=all(s.state.sampling_params.greedy for s in sampling))
+        for s, toks in zip(sampling, tokens):
+            for tok in toks:
+                s.state.append_output_token(tok)
+        if verifying:
+            self._keep_verified(sampling, tokens)
+        drafts = self._propose(batch, sampling, tokens, hidden) if self.spec else None
+        return ModelRunnerOutput([s.state.req_id for s in sampling], tokens,
+                                 logprobs if any(lp is not None for lp in logprobs) else None,
+                                 drafts)
+
+    # -- speculative decoding ---------------------------------------------------------
+    def _verify(self, logits: torch.Tensor, sampling: list[ScheduledRequest]) -> tuple[list, list]:
+        """Step 47: each request's accepted drafts and one token from the target, from the
+        distribution the sampler would use at each position (penalties, masks, temperature,
+        top-k / top-p / min-p). Logprobs are the raw model's, as the sampler's."""
+        md = self._sampling_metadata(sampling)
+        greedy_ids, probs = target_distribution(logits, md)
+        first = [0]
+        for s in sampling:
+            first.append(first[-1] + len(s.drafts) + 1)
+        tokens: list[list[int]] = [[] for _ in sampling]
+        greedy = [b for b, s in enumerate(sampling) if s.state.sampling_params.temperature < 1e-5]
+        random = [b for b, s in enumerate(sampling) if s.state.sampling_params.temperature >= 1e-5]
+        for group, is_greedy in ((greedy, True), (random, False)):
+            if not group:
+                continue
+            k = max(len(sampling[b].drafts) for b in group)
+            rows = torch.tensor([[first[b] + min(j, len(sampling[b].drafts)) for j in range(k + 1)] for b in group])
+            draft_ids = torch.tensor([sampling[b].drafts + [0] * (k - len(sampling[b].drafts)) for b in group],
+                                     dtype=torch.long)
+            n = [len(sampling[b].drafts) for b in group]
+            if is_greedy:
+                out = rejection_sample(draft_ids, greedy_ids[rows], num_drafts=n, greedy=True)
+            else:
+                q = None
+                if self.mtp is not None and k:
+                    V = probs.shape[-1]
+                    q = torch.zeros(len(group), k, V)
+                    for i, b in enumerate(group):
+                        st = sampling[b].state
+                        if n[i] and st.draft_probs is not None:
+                            q[i, :n[i]] = st.draft_probs[:n[i]]
+                        elif n[i]:  # drafted greedily (a temperature set since): one-hot
+                            q[i, torch.arange(n[i]), draft_ids[i, :n[i]]] = 1.0
+                out = rejection_sample(draft_ids, probs[rows], q, n, generators=[sampling[b].state.generator
+                                                                                  for b in group])
+            for b, toks in zip(group, out):
+                tokens[b] = toks
+        logprobs: list = [None] * len(sampling)
+        nums = md.num_logprobs
+        if any(n is not None for n in nums):
+            raw = logits.float().log_softmax(dim=-1)
+            for b, toks in enumerate(tokens):
+                if nums[first[b]] is not None:
+                    rows = list(range(first[b], first[b] + len(toks)))
+                    logprobs[b] = token_logprobs(raw[rows], toks, nums[first[b]:first[b] + len(toks)])
+        return tokens, logprobs
+
+    def _keep_verified(self, sampling: list[ScheduledRequest], tokens: list[list[int]]) -> None:
+        """Running state (V4's compression) falls back to the last accepted position."""
+        if not self._state_groups:
+            return
+        rows: dict[int, int] = {}  # running-state slot -> rows of this step it keeps
+        for s, toks in zip(sampling, tokens):
+            if s.drafts and (rejected := len(s.drafts) + 1 - len(toks)):
+                for g in self._state_groups:
+                    rows[s.state.block_ids[g][0]] = s.num_tokens - rejected
+        for layer in self.cache_layers.values():
+            layer.keep_verified(rows)
+
+    def _num_drafts(self, st: CachedRequestState) -> int:
+        """Drafts worth proposing: k, but none past max_model_len or the request's max_tokens
+        (a step yields at most drafts + 1 tokens)."""
+        left = (st.sampling_params.max_tokens or 1 << 62) - len(st.output_token_ids)
+        return max(0, min(self.spec.num_speculative_tokens, self.max_model_len - st.num_tokens, left - 1))
+
+    def _propose(self, batch: list[ScheduledRequest], sampling: list[ScheduledRequest],
+                 tokens: list[list[int]], hidden: torch.Tensor) -> list[list[int]]:
+        """Step 45: the next step's drafts for every request that sampled (same order)."""
+        t0 = time.monotonic() if tracer.enabled else 0.0
+        out: list[list[int]] = [[] for _ in sampling]
+        if self.ngram is not None:
+            for b, s in enumerate(sampling):
+                if n := self._num_drafts(s.state):
+                    out[b] = self.ngram.propose(s.state.token_ids)[:n]
+        else:
+            kept = {s.state.req_id: len(t) for s, t in zip(sampling, tokens)}
+            plan, row = [], 0
+            for s in batch:
+                st = s.state
+                n_rows = s.num_tokens
+                if s.drafts:  # the pending token and the accepted drafts
+                    n_rows = s.num_tokens - len(s.drafts) - 1 + kept[st.req_id]
+                plan.append(MtpRows(s, row, n_rows, self._num_drafts(st) if st.req_id in kept else 0))
+                row += s.num_tokens
+            drafted = self.mtp.propose(plan, hidden)
+            for b, s in enumerate(sampling):
+                toks, q = drafted.get(s.state.req_id, ([], None))
+                out[b], s.state.draft_probs = toks, q
+        if tracer.enabled and sampling:
+            tracer.record(Step.MODEL_MTP_DRAFT, t0, time.monotonic(), [s.state.req_id for s in sampling],
+                          method=self.spec.method, drafts=sum(map(len, out)),
+                          requests=sum(1 for d in out if d))
+        return out
 
     @torch.inference_mode()
     def dummy_run(self, num_tokens: int) -> None:

@@ -59,9 +59,19 @@ class Worker:
             cpu_kernels.bind_threads(binding)
             logger.info("Bound %d OpenMP threads to CPUs %s (LANE_CPU_OMP_THREADS_BIND=nobind leaves them unbound)",
                         len(binding), binding)
+        spec = config.speculative_config
+        if spec is not None and spec.method == "mtp":
+            if not getattr(self.model, "num_mtp_layers", 0):
+                raise ValueError(f"--speculative-config method 'mtp': {mc.short_name} has no MTP weights "
+                                 f"(num_nextn_predict_layers is set, but the checkpoint carries no MTP layer; "
+                                 f"use method 'ngram')")
+            self.model.kv_cache_skip = ()  # the MTP layers run now: they get caches
+            if hasattr(self.model, "keep_streams"):
+                self.model.keep_streams = True
         self.num_packed = prepack_linears(self.model)
         self.runner = ModelRunner(self.model, config.cache_config.block_size, mc.dtype, mc.device_type,
-                                  config.cache_config.enable_prefix_caching, mc.eos_token_ids)
+                                  config.cache_config.enable_prefix_caching, mc.eos_token_ids, spec,
+                                  config.scheduler_config.max_model_len)
 
     def _init_distributed(self, pc, device: torch.device) -> None:
         """Steps 2 and 5: join the replica's world, hand the groups to the layers built next."""

@@ -106,6 +106,11 @@ class CacheLayer(nn.Module):
         """This step's metadata of the group that holds cache tensor ``name``."""
         return get_forward_context().attn_metadata[self.kv_cache_group[name]]
 
+    def keep_verified(self, rows_by_slot: dict[int, int]) -> None:
+        """After a step that verified drafts: the requests (by running-state slot) keep only
+        their first ``rows`` rows of the step. Slots written by rejected rows are overwritten
+        when their positions come again, so only running state must fall back."""
+
 
 class Attention(CacheLayer):
     """Writes this layer's K/V into the paged cache, then attends."""

@@ -151,6 +151,8 @@ class V4AttentionCache(CacheLayer):
         self.index_snap = torch.empty(0)
         self.state = torch.empty(0)
         self.index_state = torch.empty(0)
+        # this step's chunks that end in drafts: (state, slot) -> what refolding fewer rows needs
+        self._verify: dict[tuple[str, int], tuple] = {}
 
     @property
     def sparse(self) -> bool:
@@ -234,6 +236,8 @@ class V4AttentionCache(CacheLayer):
         span = md.entries.prefills[i]
         slot, fresh = md.state.prefill_slots[i], md.state.prefill_fresh[i]
         state = self._load_state(which, slot, span.num_computed, fresh, span.block_ids)
+        if md.state.prefill_verify and md.state.prefill_verify[i]:
+            self._verify[(which, slot)] = (kv, gate, span.num_computed, overlap, state.clone())
         comp = compress_chunk(kv, gate, span.num_computed, self.rate, overlap, state)
         getattr(self, which)[slot] = comp.state
         if comp.closed_ca is not None and self._snap(which).numel():
@@ -243,6 +247,15 @@ class V4AttentionCache(CacheLayer):
                 if end % self.block_size == 0:
                     snap[span.block_ids[end // self.block_size - 1]] = comp.closed_ca[k]
         return comp
+
+    def keep_verified(self, rows_by_slot: dict[int, int]) -> None:
+        """Running state falls back to the last accepted row: the chunk's first rows folded
+        again from the state before it (exact: the same rows in the same order)."""
+        for (which, slot), (kv, gate, p0, overlap, state) in self._verify.items():
+            n = rows_by_slot.get(slot)
+            if n is not None and n < kv.shape[0]:
+                getattr(self, which)[slot] = compress_chunk(kv[:n], gate[:n], p0, self.rate, overlap, state).state
+        self._verify.clear()
 
     def _load_state(self, which: str, slot: int, p0: int, fresh: bool, table: torch.Tensor) -> torch.Tensor:
         """The state a chunk starting at p0 continues from: empty at 0; after a

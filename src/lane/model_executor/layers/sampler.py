@@ -89,10 +89,11 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, md: SamplingMetadata) -> torch
     return logits
 
 
-def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+def target_distribution(logits: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What each row samples from: (the greedy token after penalties and stop-token masks,
+    the probabilities after temperature and top-k / top-p / min-p, or None when all rows are
+    greedy). The rejection sampler verifies drafts against the same distribution."""
     logits = logits.float()
-    want_logprobs = any(n is not None for n in md.num_logprobs)
-    raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
     if md.repetition_penalty is not None or md.frequency_penalty is not None \
             or md.presence_penalty is not None:
         logits = apply_penalties(logits, md)
@@ -100,10 +101,36 @@ def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         logits[row, ids] = float("-inf")
     greedy = cpu_kernels.argmax_rows(logits)
     if md.all_greedy:
+        return greedy, None
+    temp = md.temperature.clamp(min=_EPS)[:, None]
+    return greedy, apply_top_k_top_p_min_p(logits / temp, md).softmax(dim=-1)
+
+
+def token_logprobs(raw_logprobs: torch.Tensor, tokens: list[int], num_logprobs: list[int | None]) -> list[tuple | None]:
+    """Per row: None, or (the token's logprob, its rank, [(token id, logprob)] of the top N)."""
+    out: list[tuple | None] = [None] * len(tokens)
+    for row, n in enumerate(num_logprobs):
+        if n is None:
+            continue
+        lp = raw_logprobs[row]
+        tok_lp = lp[tokens[row]]
+        rank = int((lp > tok_lp).sum()) + 1
+        top = []
+        if n > 0:
+            vals, ids = lp.topk(n)
+            top = list(zip(ids.tolist(), vals.tolist()))
+        out[row] = (float(tok_lp), rank, top)
+    return out
+
+
+def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+    logits = logits.float()
+    want_logprobs = any(n is not None for n in md.num_logprobs)
+    raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
+    greedy, probs = target_distribution(logits, md)
+    if probs is None:
         tokens = greedy
     else:
-        temp = md.temperature.clamp(min=_EPS)[:, None]
-        probs = apply_top_k_top_p_min_p(logits / temp, md).softmax(dim=-1)
         # inverse CDF: one uniform draw per row (torch's exponential_ over the whole
         # vocabulary, the race method, costs ~20 ns a token: 8 ms a step at batch 8).
         # u in (0, 1] never lands on a zero-probability token; a seeded request draws
@@ -115,18 +142,6 @@ def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         sampled = torch.searchsorted(cdf, u * cdf[:, -1:]).squeeze(1).clamp_(max=probs.shape[-1] - 1)
         tokens = torch.where(md.temperature < _EPS, greedy, sampled)
     token_list = tokens.tolist()
-    logprobs: list[tuple | None] = [None] * len(token_list)
-    if raw_logprobs is not None:
-        for row, n in enumerate(md.num_logprobs):
-            if n is None:
-                continue
-            lp = raw_logprobs[row]
-            tok = token_list[row]
-            tok_lp = lp[tok]
-            rank = int((lp > tok_lp).sum()) + 1
-            top = []
-            if n > 0:
-                vals, ids = lp.topk(n)
-                top = list(zip(ids.tolist(), vals.tolist()))
-            logprobs[row] = (float(tok_lp), rank, top)
+    logprobs = (token_logprobs(raw_logprobs, token_list, md.num_logprobs) if raw_logprobs is not None
+                else [None] * len(token_list))
     return SamplerOutput(token_list, logprobs)

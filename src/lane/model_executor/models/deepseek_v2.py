@@ -178,6 +178,13 @@ class DeepseekMTPLayer(DeepseekV2DecoderLayer):
         self.shared_head.head = ParallelLMHead(config.hidden_size, config.vocab_size)
 
 
+def drop_unloaded_mtp(model: nn.Module, loaded: set[str]) -> None:
+    """A checkpoint without MTP weights (transformers saves none) drops the MTP layers."""
+    if len(model.mtp) and not any(n.startswith("mtp.") for n in loaded):
+        logger.info("checkpoint has no MTP layer (num_nextn_predict_layers=%d): not kept", len(model.mtp))
+        model.mtp = nn.ModuleList()
+
+
 class DeepseekV2Model(LlamaModel):
     def __init__(self, config, max_position: int) -> None:
         nn.Module.__init__(self)
@@ -200,7 +207,7 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         self.stacked_params = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
         if getattr(config, "q_lora_rank", None):
             self.stacked_params.update(q_a_proj=("fused_qkv_a_proj", 0), kv_a_proj_with_mqa=("fused_qkv_a_proj", 1))
-        # the MTP layer is loaded, not run (yet): it keeps no cache
+        # the MTP layer runs only to draft (speculative decoding, which then gives it a cache)
         self.kv_cache_skip = ("mtp.",)
         n_mtp = getattr(config, "num_nextn_predict_layers", 0) or 0
         self.mtp = nn.ModuleList(DeepseekMTPLayer(config, self.model.rotary, config.num_hidden_layers + i)
@@ -209,6 +216,30 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
     def moe_layers(self) -> dict[int, FusedMoE]:
         return {i: layer.mlp.experts for i, layer in enumerate(self.model.layers)
                 if isinstance(layer.mlp, DeepseekV2MoE)}
+
+    # -- MTP drafting (speculative decoding) ----------------------------------------
+    @property
+    def num_mtp_layers(self) -> int:
+        return len(self.mtp)
+
+    def mtp_source(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the MTP layer reads of the main model: its final (normed) hidden states."""
+        return hidden
+
+    def mtp_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, source: torch.Tensor,
+                    i: int = 0) -> torch.Tensor:
+        """MTP layer i at positions t: eh_proj(cat[enorm(emb(x_{t+1})), hnorm(h_t)]) -> one
+        decoder block. Returns its hidden states (fed back for the next draft)."""
+        layer = self.mtp[i]
+        e = self.model.embed_tokens(input_ids)
+        e = e.masked_fill((positions == 0)[:, None], 0.0)  # position 0 has no previous token (as vLLM)
+        x = layer.eh_proj(torch.cat((layer.enorm(e), layer.hnorm(source)), dim=-1))
+        h, residual = layer(self.model.rotary.prepare(positions, x.dtype), x, None)
+        return h + residual
+
+    def mtp_logits(self, hidden: torch.Tensor, i: int = 0) -> torch.Tensor:
+        head = self.mtp[i].shared_head
+        return head.head(head.norm(hidden))
 
     def load_weight(self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> str | None:
         name = self._mtp_name(name)
@@ -238,10 +269,7 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         return super().load_weight(params, name, tensor)
 
     def finish_loading(self, loaded: set[str]) -> None:
-        """A checkpoint without the MTP layer (transformers does not save it) drops it."""
-        if len(self.mtp) and not any(n.startswith("mtp.") for n in loaded):
-            logger.info("checkpoint has no MTP layer (num_nextn_predict_layers=%d): not kept", len(self.mtp))
-            self.mtp = nn.ModuleList()
+        drop_unloaded_mtp(self, loaded)
 
     def _mtp_name(self, name: str) -> str | None:
         """model.layers.{N + i}.* (N = num_hidden_layers) -> mtp.{i}.*; None to skip."""

@@ -29,6 +29,7 @@ from lane.tracing import Step
 from lane.model_executor.layers.compressed_attention import (V4AttentionCache, V4RMSNorm, attend_with_sinks,
                                                              rope_tail, unweighted_rms_norm)
 from lane.model_executor.layers.fused_moe import FusedMoE, fused_expert_name
+from lane.model_executor.models.deepseek_v2 import drop_unloaded_mtp
 from lane.model_executor.layers import cpu_kernels
 from lane.model_executor.layers.linear import Linear, linear
 from lane.model_executor.loader.safetensors_loader import materialize
@@ -99,9 +100,9 @@ class CSAIndexer(nn.Module):
 
 
 class DeepseekV4Attention(nn.Module):
-    def __init__(self, config, layer_idx: int, rope: V4Rope) -> None:
+    def __init__(self, config, layer_idx: int, rope: V4Rope, layer_type: str | None = None) -> None:
         super().__init__()
-        self.layer_type = config.layer_types[layer_idx]
+        self.layer_type = layer_type or config.layer_types[layer_idx]
         self.rope_kind = "main" if self.layer_type == SWA else "compress"
         # tensor parallel: query heads and output groups split by rank; the one K = V head, its
         # window and compressed entries, are whole on every rank
@@ -355,9 +356,9 @@ class SharedExpert(nn.Module):
 
 
 class V4MoE(nn.Module):
-    def __init__(self, config, layer_idx: int) -> None:
+    def __init__(self, config, layer_idx: int, hashed: bool | None = None) -> None:
         super().__init__()
-        hashed = config.mlp_layer_types[layer_idx] == "hash_moe"
+        hashed = config.mlp_layer_types[layer_idx] == "hash_moe" if hashed is None else hashed
         self.gate = V4Gate(config, hashed)
         inter = config.moe_intermediate_size
         self.experts = FusedMoE(config.n_routed_experts, config.num_experts_per_tok, config.hidden_size, inter,
@@ -373,11 +374,12 @@ class V4MoE(nn.Module):
 
 
 class DeepseekV4Block(nn.Module):
-    def __init__(self, config, layer_idx: int, rope: V4Rope) -> None:
+    def __init__(self, config, layer_idx: int, rope: V4Rope, mtp: bool = False) -> None:
         super().__init__()
         hc, D = config.hc_mult, config.hidden_size
-        self.attn = DeepseekV4Attention(config, layer_idx, rope)
-        self.ffn = V4MoE(config, layer_idx)
+        # the MTP block: sliding-window attention only, learned routing
+        self.attn = DeepseekV4Attention(config, layer_idx, rope, SWA if mtp else None)
+        self.ffn = V4MoE(config, layer_idx, False if mtp else None)
         self.attn_norm = V4RMSNorm(D, config.rms_norm_eps)
         self.ffn_norm = V4RMSNorm(D, config.rms_norm_eps)
         for part in ("attn", "ffn"):
@@ -398,6 +400,22 @@ class DeepseekV4Block(nn.Module):
         return streams
 
 
+class DeepseekV4MTPLayer(DeepseekV4Block):
+    """``mtp.{i}``: to draft x_{t+2}, the main model's last streams X_t and the token x_{t+1}:
+    e_proj(enorm(emb)) broadcast to the streams + h_proj(hnorm(X_t)) per stream, one block,
+    then its own hc_head and norm before the shared head."""
+
+    def __init__(self, config, layer_idx: int, rope: V4Rope) -> None:
+        super().__init__(config, layer_idx, rope, mtp=True)
+        D = config.hidden_size
+        self.e_proj = Linear(D, D, bias=False)
+        self.h_proj = Linear(D, D, bias=False)
+        self.enorm = V4RMSNorm(D, config.rms_norm_eps)
+        self.hnorm = V4RMSNorm(D, config.rms_norm_eps)
+        self.norm = V4RMSNorm(D, config.rms_norm_eps)
+        self.hc_head = HyperHead(config.hc_mult, D, config.hc_eps, config.rms_norm_eps)
+
+
 # transformers' names -> the released checkpoint's (what lane's modules are called)
 _HF_NAMES = [(r"\.self_attn\.compressor\.indexer\.scorer\.weights_proj\.", ".attn.indexer.weights_proj."),
              (r"\.self_attn\.compressor\.indexer\.q_b_proj\.", ".attn.indexer.wq_b."),
@@ -412,12 +430,13 @@ _HF_NAMES = [(r"\.self_attn\.compressor\.indexer\.scorer\.weights_proj\.", ".att
              (r"\.shared_experts\.down_proj\.", ".shared_experts.w2.")]
 _TOP = {"embed.weight": "embed_tokens.weight", "lm_head.weight": "head.weight", "hc_head_fn": "hc_head.hc_fn",
         "hc_head_base": "hc_head.hc_base", "hc_head_scale": "hc_head.hc_scale"}
-_EXPERT = re.compile(r"(layers\.\d+\.ffn\.experts)\.(\d+)\.(w1|w2|w3)\.weight$")
+_EXPERT = re.compile(r"((?:layers|mtp)\.\d+\.ffn\.experts)\.(\d+)\.(w1|w2|w3)\.weight$")
 
 
 def canonical_name(name: str) -> str:
     name = name.removeprefix("model.")
     name = _TOP.get(name, name)
+    name = re.sub(r"^(mtp\.\d+)\.hc_head_(fn|base|scale)$", r"\1.hc_head.hc_\2", name)
     if ".self_attn." in name or ".mlp." in name or "_layernorm." in name or "_hc." in name:
         for pattern, repl in _HF_NAMES:
             name = re.sub(pattern, repl, name)
@@ -434,12 +453,21 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.hc_head = HyperHead(config.hc_mult, config.hidden_size, config.hc_eps, config.rms_norm_eps)
         self.norm = V4RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.head = ParallelLMHead(config.hidden_size, config.vocab_size)
+        n_mtp = getattr(config, "num_nextn_predict_layers", 0) or 0
+        self.mtp = nn.ModuleList(DeepseekV4MTPLayer(config, config.num_hidden_layers + i, rope)
+                                 for i in range(n_mtp))
+        # the MTP block runs only to draft (speculative decoding, which then gives it a cache)
+        self.kv_cache_skip = ("mtp.",)
+        self.keep_streams = False  # set when MTP drafts: the last forward's streams stay for it
+        self._streams: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         streams = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
         for layer in self.layers:
             streams = layer(streams, positions, input_ids)
+        if self.keep_streams:
+            self._streams = streams
         out = self.norm(self.hc_head(streams))
         tracing.forward_mark()(Step.MODEL_LM_HEAD)
         return out
@@ -450,12 +478,38 @@ class DeepseekV4ForCausalLM(nn.Module):
     def moe_layers(self) -> dict[int, FusedMoE]:
         return {i: layer.ffn.experts for i, layer in enumerate(self.layers)}
 
+    # -- MTP drafting (speculative decoding) ----------------------------------------
+    @property
+    def num_mtp_layers(self) -> int:
+        return len(self.mtp)
+
+    def mtp_source(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the MTP block reads of the main model: the last layer's streams [T, n, D]
+        (before hc_head), of the forward that made ``hidden``."""
+        return self._streams
+
+    def mtp_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, source: torch.Tensor,
+                    i: int = 0) -> torch.Tensor:
+        """MTP block i at positions t, from streams X_t and tokens x_{t+1} -> its streams."""
+        layer = self.mtp[i]
+        e = layer.e_proj(layer.enorm(self.embed_tokens(input_ids)))
+        streams = e.unsqueeze(1) + layer.h_proj(layer.hnorm(source))
+        return layer(streams, positions, input_ids)
+
+    def mtp_logits(self, streams: torch.Tensor, i: int = 0) -> torch.Tensor:
+        layer = self.mtp[i]
+        return self.head(layer.norm(layer.hc_head(streams)))
+
+    def finish_loading(self, loaded: set[str]) -> None:
+        drop_unloaded_mtp(self, loaded)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for orig, tensor in weights:
             name = canonical_name(orig)
-            if name.startswith("mtp."):  # the MTP block: for speculative decoding, not loaded yet
+            if name.startswith("mtp.") and int(name.split(".")[1]) >= len(self.mtp):
+                logger.debug("skipping %s: the config has no MTP layer %s", orig, name.split(".")[1])
                 continue
             if m := _EXPERT.match(name):  # w1 = gate, w3 = up, w2 = down
                 proj = {"w1": "gate", "w3": "up", "w2": "down"}[m.group(3)]
