@@ -22,12 +22,12 @@ import argparse
 import json
 import os
 import sys
-import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from moe_decode import prompts as random_prompts, time_lane as timed  # noqa: E402
 from offline_throughput import check_quiet  # noqa: E402
 
 PASSAGES = [
@@ -57,22 +57,6 @@ def grounded_prompts(llm, batch: int) -> list[list[int]]:
         msg = f"{TASKS[i % len(TASKS)]}\n\n{PASSAGES[i % len(PASSAGES)]}"
         out.append(llm.apply_chat_template([{"role": "user", "content": msg}]))
     return out
-
-
-def random_prompts(batch: int, length: int = 128) -> list[list[int]]:
-    import torch
-
-    g = torch.Generator().manual_seed(batch)
-    return torch.randint(100, 49152, (batch, length), generator=g).tolist()
-
-
-def timed(llm, ids, n) -> float:
-    from lane import SamplingParams
-
-    t0 = time.perf_counter()
-    llm.generate([{"prompt_token_ids": p} for p in ids],
-                 SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
-    return time.perf_counter() - t0
 
 
 def measure(llm, ids, n_new: int, repeats: int) -> dict:
@@ -123,7 +107,7 @@ def main() -> None:
     results: dict = {}
     ngram = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
     run_model("SmolLM2 n-gram", lambda cfg: LLM(show_progress=False, speculative_config=cfg), ngram,
-              {"grounded": grounded_prompts, "random": lambda llm, b: random_prompts(b)},
+              {"grounded": grounded_prompts, "random": lambda llm, b: random_prompts(b, 128)},
               batches, args.new_tokens, args.repeats, results)
     if not args.skip_mtp:
         from moe_decode import CONFIG as V32_CONFIG, MODEL_DIR as V32_DIR, cached_model

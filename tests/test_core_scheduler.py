@@ -528,3 +528,48 @@ def test_request_events_with_log_events():
         (Step.KV_FREE, dict(blocks=3, cached=True))]
     assert {e.request_id for e in events} == {"a"} and all(e.start <= e.end for e in events)
     assert sched.drain_events() == []
+
+
+# -- speculative decoding: drafts in the budget, rollback, blocks given back ---------------
+
+def test_drafts_scheduled_in_budget_rolled_back_and_never_cached():
+    """Blocks of 4. A 6-token prompt samples t and drafts 5: the next step computes positions
+    6..11 (3 blocks). The target accepts none: computed falls to 7, the block holding only
+    positions 8..11 goes back to the pool (step 48), only block 0 (verified) is cached, and
+    the next step hands the runner the cut tables whole."""
+    from lane.config import SpeculativeConfig
+
+    sched = Scheduler(SchedulerConfig(64, 8, 256), KVCacheConfig([KVCacheGroupSpec(FULL, BS, [], [])], [16]),
+                      eos_token_ids=[EOS], log_events=True,
+                      speculative_config=SpeculativeConfig("ngram", 5))
+    a = add(sched, "a", toks(10, 6))
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"a": 6} and not out.scheduled_spec_decode_tokens
+    sched.update_from_output(out, ModelRunnerOutput(["a"], [[50]], spec_token_ids=[[51, 52, 53, 54, 55]]))
+    assert a.spec_token_ids == [51, 52, 53, 54, 55] and a.num_computed_tokens == 6
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"a": 6} and out.scheduled_spec_decode_tokens == {"a": [51, 52, 53, 54, 55]}
+    assert sched.kv.get_block_ids("a") == ([1, 2, 3],)
+    sched.drain_events()
+    outputs = sched.update_from_output(out, ModelRunnerOutput(["a"], [[60]], spec_token_ids=[[61, 62]]))
+    assert outputs[0].new_token_ids == [60]
+    assert a.all_token_ids == toks(10, 6) + [50, 60] and a.num_computed_tokens == 7
+    assert sched.kv.get_block_ids("a") == ([1, 2],)  # block 3 held only rejected drafts
+    assert [b.block_hash is not None for b in (sched.kv.pool.blocks[1], sched.kv.pool.blocks[2])] == [True, False]
+    (rollback,) = [e for e in sched.drain_events() if e.step == Step.KV_ROLLBACK]
+    assert rollback.attrs == dict(drafts=5, accepted=0, rejected=5, blocks_freed=1, computed_tokens=7)
+    # partly accepted, within a budget that cuts the drafts: 1 pending + 1 of the 2 drafts
+    sched.config.max_num_batched_tokens = 2
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"a": 2} and out.scheduled_spec_decode_tokens == {"a": [61]}
+    assert out.scheduled_cached_reqs.block_ids_replaced == [True]
+    assert out.scheduled_cached_reqs.new_block_ids == [([1, 2, 4],)]  # the whole table (3 went to the tail)
+    sched.update_from_output(out, ModelRunnerOutput(["a"], [[61, 70]]))
+    assert a.all_token_ids[-3:] == [60, 61, 70] and a.num_computed_tokens == 9 and a.spec_token_ids == []
+    s = sched.make_stats().spec_decoding
+    assert (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens) == (2, 6, 1)
+    assert s.num_accepted_tokens_per_pos == [1, 0, 0, 0, 0]
+    # preemption drops the drafts
+    a.spec_token_ids = [80, 81]
+    sched._preempt(sched.running.pop())
+    assert a.spec_token_ids == [] and a.num_computed_tokens == 0

@@ -72,6 +72,25 @@ def test_two_ranks_equal_one(tiny, arch, ep):
         llm.shutdown()
 
 
+@pytest.mark.parametrize("arch,spec", [("deepseek_v4", {"method": "mtp", "num_speculative_tokens": 2}),
+                                       ("llama", {"method": "ngram", "num_speculative_tokens": 3,
+                                                  "prompt_lookup_min": 1, "prompt_lookup_max": 2})])
+def test_speculation_over_two_ranks_equals_one_rank_without(tiny, arch, spec):
+    """Drafts at TP=2 (every rank drafts and verifies alike, from the same gathered logits):
+    TP=1's tokens without speculation, prefill chunks and prefix hits included."""
+    kw = _engine_kw(arch)
+    ref = LLM(tiny[arch], **kw)
+    want = _tokens(ref)
+    ref.shutdown()
+    llm = LLM(tiny[arch], tensor_parallel_size=2, speculative_config=spec, **kw)
+    try:
+        assert _tokens(llm) == want
+        s = llm.engine.scheduler.make_stats().spec_decoding
+        assert s.num_drafts > 0 and s.num_accepted_tokens <= s.num_draft_tokens
+    finally:
+        llm.shutdown()
+
+
 def test_smollm_gguf_tp3_equals_tp1_and_records_collectives(smollm_gguf):
     """SmolLM2 (9 heads, 3 KV heads) over three ranks from the GGUF, dequantized to float32:
     the same tokens; the trace has every rank's spans, the groups' set-up (steps 2, 5) and

@@ -249,6 +249,19 @@ def test_mtp_logits_equal_transformers_block_on_mtp_weights(tiny, arch, tmp_path
     torch.testing.assert_close(ours, ref[0].float(), rtol=1e-3, atol=1e-3)
 
 
+def test_cli_names_the_bad_flag(smollm_gguf):
+    import subprocess
+    import sys
+
+    for cmd, spec, needle in (
+            (["generate", "hi", "--quiet"], '{"method": "ngram", "num_speculative_tokens": 3', "is not JSON"),
+            (["serve"], '{"method": "mtp"}', "method 'mtp' needs a model with MTP layers")):
+        r = subprocess.run([sys.executable, "-m", "lane.entrypoints.cli", *cmd, "--speculative-config", spec],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, (cmd, r.stderr)
+        assert "--speculative-config" in r.stderr
+
+
 def test_spec_config_refused_by_name(smollm_gguf, tiny, tmp_path):
     with pytest.raises(ValueError, match="needs a model with MTP layers.*LlamaForCausalLM"):
         _smollm(smollm_gguf, {"method": "mtp", "num_speculative_tokens": 1})
@@ -300,8 +313,8 @@ def test_served_with_openai_client_metrics_log_trace_and_bench(tmp_path):
     args = ["--dtype", "float32", "--quantization", "none", "--kv-cache-memory-bytes", "128M",
             "--max-model-len", "1024", "--trace"]
     answers = []
-    for spec in (None, _ngram(3)):
-        with RemoteServer(args + (["--speculative-config", json.dumps(spec)] if spec else [])) as s:
+    for spec in (None, _ngram(3)):  # with drafts over two data-parallel replicas
+        with RemoteServer(args + (["--speculative-config", json.dumps(spec), "-dp", "2"] if spec else [])) as s:
             c = s.client()
             model = c.models.list().data[0].id
             r = c.completions.create(model=model, prompt=REPEAT, max_tokens=40, temperature=0)

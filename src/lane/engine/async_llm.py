@@ -12,7 +12,7 @@ from typing import AsyncIterator
 
 from prometheus_client import CollectorRegistry
 
-from lane.config import EngineArgs, EngineArgsError
+from lane.config import EngineArgs, EngineArgsError, SpeculativeConfig
 from lane.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from lane.engine.core_client import AsyncMPClient, EngineDeadError
 from lane.engine.dp_balancer import EngineOverloadedError
@@ -57,6 +57,8 @@ class AsyncLLM:
         try:
             self.model_config = args.create_model_config()
             args.create_parallel_config().check_model(self.model_config.hf_config)
+            if (spec := SpeculativeConfig.parse(args.speculative_config)) is not None:
+                spec.check_model(self.model_config.hf_config, (self.model_config.architectures or ["?"])[0])
         except (ValueError, FileNotFoundError, TypeError) as e:  # a bad flag: the engines fail on it too
             self.client.shutdown()
             raise EngineArgsError(str(e)) from None

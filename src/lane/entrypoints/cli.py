@@ -120,7 +120,7 @@ def cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
 def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import asyncio
 
-    from lane.config import EngineArgsError
+    from lane.config import EngineArgsError, SpeculativeConfig
     from lane.entrypoints.api_server import serve
 
     if not 0 < args.port < 65536:
@@ -134,6 +134,7 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         eargs = engine_args(args)
         eargs.enable_tracing, eargs.trace_layers = args.trace or args.trace_layers, args.trace_layers
         pc = eargs.create_parallel_config()
+        SpeculativeConfig.parse(eargs.speculative_config)  # its syntax now; what the model allows at start
     except (ValueError, FileNotFoundError, TypeError) as e:
         parser.error(str(e))
     if args.headless != (pc.node_rank > 0):
