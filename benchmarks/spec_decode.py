@@ -12,7 +12,8 @@ Decode speed is (time for 1 + N tokens) - (time for 1 token): prefill cancels ou
 ignore EOS, best of ``--repeats``. vLLM's CPU runner refuses speculative decoding (vllm
 #28384), so the peer here is lane itself without drafts.
 
-    python benchmarks/spec_decode.py [--batch-sizes 1,8] [--new-tokens 96] [--k 3] [--skip-mtp]
+    python benchmarks/spec_decode.py [--batch-sizes 1,8] [--new-tokens 64] [--k 3] [--mtp-k 1]
+                                     [--skip-mtp] [--skip-ngram]
 
 The last line is a JSON object of the headline figures.
 """
@@ -99,6 +100,7 @@ def main() -> None:
     ap.add_argument("--mtp-k", type=int, default=1, help="drafts per step (MTP)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--skip-mtp", action="store_true")
+    ap.add_argument("--skip-ngram", action="store_true")
     args = ap.parse_args()
     check_quiet()
     from lane import LLM
@@ -106,9 +108,10 @@ def main() -> None:
     batches = [int(b) for b in args.batch_sizes.split(",")]
     results: dict = {}
     ngram = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
-    run_model("SmolLM2 n-gram", lambda cfg: LLM(show_progress=False, speculative_config=cfg), ngram,
-              {"grounded": grounded_prompts, "random": lambda llm, b: random_prompts(b, 128)},
-              batches, args.new_tokens, args.repeats, results)
+    if not args.skip_ngram:
+        run_model("SmolLM2 n-gram", lambda cfg: LLM(show_progress=False, speculative_config=cfg), ngram,
+                  {"grounded": grounded_prompts, "random": lambda llm, b: random_prompts(b, 128)},
+                  batches, args.new_tokens, args.repeats, results)
     if not args.skip_mtp:
         from moe_decode import CONFIG as V32_CONFIG, MODEL_DIR as V32_DIR, cached_model
         from v4_decode import CONFIG as V4_CONFIG, MODEL_DIR as V4_DIR

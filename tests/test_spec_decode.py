@@ -84,3 +84,25 @@ def test_seeded_rows_are_reproducible_and_rows_without_drafts_draw_one_number():
     probe = torch.Generator().manual_seed(8)
     torch.rand(1, generator=probe)
     assert torch.rand(1, generator=gb[1]) == torch.rand(1, generator=probe)
+
+
+def test_ngram_equals_a_brute_force_search_on_random_lists():
+    """The narrowing search against the definition: every earlier window of n tokens (longest
+    n first, ending before the last token), the latest match's continuation."""
+    import random
+
+    def brute(tokens, k, lo, hi, max_len):
+        L = len(tokens)
+        k = min(k, max_len - L) if max_len is not None else k
+        for n in range(min(hi, L - 1), lo - 1, -1):
+            hits = [h for h in range(L - n) if tokens[h:h + n] == tokens[L - n:]]
+            if hits and k > 0:
+                return tokens[hits[-1] + n:hits[-1] + n + k]
+        return []
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        t = [rng.randrange(rng.randint(2, 5)) for _ in range(rng.randint(1, 30))]
+        k, lo = rng.randint(1, 5), rng.randint(1, 3)
+        hi, max_len = rng.randint(lo, 5), rng.choice([None, len(t) + rng.randint(-1, 3)])
+        assert NgramProposer(k, lo, hi, max_len).propose(t) == brute(t, k, lo, hi, max_len), (t, k, lo, hi)

@@ -32,6 +32,43 @@ class CommonAttentionMetadata:
         return len(self.query_start)
 
 
+class BatchLayout:
+    """Builds a step's ``CommonAttentionMetadata`` request by request (decodes first): a
+    request is one entry, or with ``decode_rows`` one query-length-1 entry per row, each
+    seeing the cache up to itself (for layers whose decode rows are independent)."""
+
+    def __init__(self) -> None:
+        self.starts: list[int] = []
+        self.num_computed: list[int] = []
+        self.fresh: list[bool] = []
+        self.num_drafts: list[int] = []
+        self.block_ids: list = []  # per entry: the request's tables
+        self.num_decodes = 0
+        self.num_rows = 0
+
+    def add(self, block_ids, num_computed: int, num_rows: int, decode_rows: bool, fresh: bool = False,
+            num_drafts: int = 0) -> None:
+        if decode_rows:
+            for j in range(num_rows):
+                self.starts.append(self.num_rows + j)
+                self.num_computed.append(num_computed + j)
+                self.fresh.append(False)
+                self.num_drafts.append(0)
+                self.block_ids.append(block_ids)
+            self.num_decodes += num_rows
+        else:
+            self.starts.append(self.num_rows)
+            self.num_computed.append(num_computed)
+            self.fresh.append(fresh)
+            self.num_drafts.append(num_drafts)
+            self.block_ids.append(block_ids)
+        self.num_rows += num_rows
+
+    def common(self, with_drafts: bool = False) -> CommonAttentionMetadata:
+        return CommonAttentionMetadata(self.num_decodes, self.starts, self.starts[1:] + [self.num_rows],
+                                       self.num_computed, self.fresh, self.num_drafts if with_drafts else [])
+
+
 @dataclass
 class PrefillSpan:
     query_start: int  # rows [query_start, query_end) of the flattened batch

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from lane.attention.metadata import CommonAttentionMetadata, set_forward_context
+from lane.attention.metadata import BatchLayout, CommonAttentionMetadata, set_forward_context
 from lane.worker.input_batch import ScheduledRequest
 
 _EPS = 1e-5
@@ -36,30 +36,30 @@ class MtpRows:
 
 class MtpProposer:
     def __init__(self, model: nn.Module, num_speculative_tokens: int,
-                 build_metadata: Callable[[CommonAttentionMetadata, list], list]) -> None:
+                 build_metadata: Callable[[CommonAttentionMetadata, list], list],
+                 rows_as_decodes: Callable[[], bool]) -> None:
         self.model = model
         self.k = num_speculative_tokens
         self.num_layers = model.num_mtp_layers
         self.build_metadata = build_metadata
+        self.rows_as_decodes = rows_as_decodes  # whether the caches let a request's rows be decode rows
+
+    def _decode_shaped(self, num_rows: int) -> bool:
+        """One row, or a verify step's few kept rows where the caches let rows be decode rows."""
+        return num_rows == 1 or (num_rows <= self.k + 1 and self.rows_as_decodes())
 
     def _run(self, rows: list[tuple[ScheduledRequest, list[int], int]], source: torch.Tensor,
              layer: int) -> torch.Tensor:
-        """The MTP layer over each request's (next tokens, first position) rows, decodes
-        (one row) first as the metadata wants; source rows in that order too."""
+        """The MTP layer over each request's (next tokens, first position) rows, decode-shaped
+        ones first as the metadata wants; source rows in that order too."""
         ids: list[int] = []
         positions: list[int] = []
-        starts: list[int] = []
-        ends: list[int] = []
-        for _, nxt, p0 in rows:
-            starts.append(len(ids))
+        layout = BatchLayout()
+        for r, nxt, p0 in rows:
+            layout.add(r.state.block_ids, p0, len(nxt), self._decode_shaped(len(nxt)))
             ids.extend(nxt)
             positions.extend(range(p0, p0 + len(nxt)))
-            ends.append(len(ids))
-        nd = 0
-        while nd < len(rows) and len(rows[nd][1]) == 1:
-            nd += 1
-        common = CommonAttentionMetadata(nd, starts, ends, [p0 for _, _, p0 in rows], [False] * len(rows))
-        md = self.build_metadata(common, [r.state.block_ids for r, _, _ in rows])
+        md = self.build_metadata(layout.common(), layout.block_ids)
         with set_forward_context(md):
             return self.model.mtp_forward(torch.tensor(ids, dtype=torch.long),
                                           torch.tensor(positions, dtype=torch.long), source, layer)
@@ -84,7 +84,7 @@ class MtpProposer:
     def propose(self, plan: list[MtpRows], target_hidden: torch.Tensor
                 ) -> dict[str, tuple[list[int], torch.Tensor | None]]:
         """Req id -> (drafts, their MTP probabilities [n, V] or None when greedy)."""
-        plan = sorted((p for p in plan if p.num_rows), key=lambda p: p.num_rows != 1)
+        plan = sorted((p for p in plan if p.num_rows), key=lambda p: not self._decode_shaped(p.num_rows))
         if not plan:
             return {}
         source = self.model.mtp_source(target_hidden)

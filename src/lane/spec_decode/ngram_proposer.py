@@ -7,7 +7,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 
 @dataclass
@@ -30,13 +29,19 @@ class NgramProposer:
         k = self.num_speculative_tokens
         if self.max_model_len is not None:
             k = min(k, self.max_model_len - L)
-        if k <= 0:
+        if k <= 0 or L < 2:
             return []
-        for n in range(min(self.prompt_lookup_max, L - 1), self.prompt_lookup_min - 1, -1):
-            # earlier windows of n tokens, each followed by at least one token
-            windows = sliding_window_view(tokens[:L - 1], n)
-            hits = np.flatnonzero((windows == tokens[L - n:]).all(axis=1))
-            if hits.size:
-                start = int(hits[-1]) + n  # the latest occurrence's continuation
-                return tokens[start:start + k].tolist()
-        return []
+        # earlier positions that end a match of the last token (each followed by a token),
+        # narrowed one token further back at a time: a few array ops, whatever the length
+        ends = np.flatnonzero(tokens[:L - 1] == tokens[L - 1])
+        n = 1
+        while ends.size and n < min(self.prompt_lookup_max, L - 1):
+            longer = ends[ends >= n]
+            longer = longer[tokens[longer - n] == tokens[L - 1 - n]]
+            if not longer.size:
+                break
+            ends, n = longer, n + 1
+        if not ends.size or n < self.prompt_lookup_min:
+            return []
+        start = int(ends[-1]) + 1  # the latest occurrence's continuation
+        return tokens[start:start + k].tolist()

@@ -15,10 +15,10 @@ import torch
 import torch.nn as nn
 
 from lane import platform, tracing
-from lane.attention.metadata import CommonAttentionMetadata, set_forward_context
+from lane.attention.metadata import BatchLayout, CommonAttentionMetadata, set_forward_context
 from lane.core.scheduler_output import SchedulerOutput
 from lane.kv_cache_interface import STATE, KVCacheConfig, KVCacheSpec
-from lane.model_executor.layers.attention import Attention, CacheLayer, cache_layers, kv_cache_specs
+from lane.model_executor.layers.attention import CacheLayer, cache_layers, kv_cache_specs
 from lane.config import SpeculativeConfig
 from lane.model_executor.layers.sampler import SamplingMetadata, sample, target_distribution, token_logprobs
 from lane.outputs import ModelRunnerOutput
@@ -70,7 +70,8 @@ class ModelRunner:
             self.ngram = NgramProposer(speculative_config.num_speculative_tokens, speculative_config.prompt_lookup_min,
                                        speculative_config.prompt_lookup_max, max_model_len)
         elif speculative_config is not None:
-            self.mtp = MtpProposer(model, speculative_config.num_speculative_tokens, self._attn_metadata)
+            self.mtp = MtpProposer(model, speculative_config.num_speculative_tokens, self._attn_metadata,
+                                   lambda: self._verify_as_decodes)
 
     # -- step 8: the cache tensors -------------------------------------------
     def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
@@ -88,7 +89,7 @@ class ModelRunner:
                 self.cache_layers[module].bind_kv_cache(attr, t, g)
                 self.kv_caches[name] = t
         self._state_groups = [g for g, group in enumerate(kv_cache_config.groups) if group.kind == STATE]
-        self._verify_as_decodes = self.spec is not None and all(type(m) is Attention
+        self._verify_as_decodes = self.spec is not None and all(m.decode_rows_independent
                                                                 for m in self.cache_layers.values())
 
     # -- step 20: inputs ---------------------------------------------------------
@@ -98,41 +99,24 @@ class ModelRunner:
                 for g, group in enumerate(self.kv_cache_config.groups)]
 
     def _prepare(self, batch: list[ScheduledRequest]):
-        """Step 20. With paged attention only, a request verifying drafts is one decode row per
-        token (each seeing the cache up to itself: a step's rows write their K/V before any
-        attends), so a verify step stays a decode step, fused kernel included."""
-        if self._verify_as_decodes:
-            batch = sorted(batch, key=lambda s: not (s.is_decode or (s.drafts and not s.state.fresh)))
+        """Step 20. When every cache layer's decode rows are independent (paged attention, MLA,
+        the indexer), a request verifying drafts is one decode row per token, each seeing the
+        cache up to itself, so a verify step stays a decode step (fused kernel included)."""
+        as_decodes = [s.is_decode or (self._verify_as_decodes and bool(s.drafts) and not s.state.fresh)
+                      for s in batch]
+        batch = [s for _, s in sorted(zip(as_decodes, batch), key=lambda p: not p[0])]
         input_ids: list[int] = []
         positions: list[int] = []
-        starts: list[int] = []  # per attention entry: a request, or one row of a verifying request
-        num_computed: list[int] = []
-        fresh: list[bool] = []
-        drafts: list[int] = []
-        tables: list = []
-        num_decodes = 0
+        layout = BatchLayout()
         for s in batch:
             start = s.state.num_computed_tokens
             rows = s.input_ids()
-            if s.is_decode or (self._verify_as_decodes and s.drafts and not s.state.fresh):
-                for j in range(len(rows)):
-                    starts.append(len(input_ids) + j)
-                    num_computed.append(start + j)
-                    tables.append(s.state.block_ids)
-                    fresh.append(False)
-                    drafts.append(0)
-                num_decodes += len(rows)
-            else:
-                starts.append(len(input_ids))
-                num_computed.append(start)
-                tables.append(s.state.block_ids)
-                fresh.append(s.state.fresh)
-                drafts.append(len(s.drafts))
+            layout.add(s.state.block_ids, start, len(rows),
+                       s.is_decode or (self._verify_as_decodes and bool(s.drafts) and not s.state.fresh),
+                       s.state.fresh, len(s.drafts))
             input_ids.extend(rows)
             positions.extend(range(start, start + s.num_tokens))
-        ends = starts[1:] + [len(input_ids)]
-        common = CommonAttentionMetadata(num_decodes, starts, ends, num_computed, fresh, drafts if self.spec else [])
-        md = self._attn_metadata(common, tables)
+        md = self._attn_metadata(layout.common(self.spec is not None), layout.block_ids)
         # rows whose token is the request's last pending one, and its drafts': these get logits
         sampling, sample_rows, row = [], [], 0
         for s in batch:

@@ -89,6 +89,10 @@ class CacheLayer(nn.Module):
     compressed entries, running state). It declares one ``KVCacheSpec`` per cache tensor;
     the runner allocates each tensor in its group's pool and binds it here, with the
     group's index, which is where the layer finds its metadata each step."""
+    # its decode path writes every row's cache entries before any row attends, then treats
+    # each row on its own (its context length): a request's several rows (drafts to verify)
+    # may then be decode rows, each seeing the cache up to itself
+    decode_rows_independent = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -114,6 +118,7 @@ class CacheLayer(nn.Module):
 
 class Attention(CacheLayer):
     """Writes this layer's K/V into the paged cache, then attends."""
+    decode_rows_independent = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__()

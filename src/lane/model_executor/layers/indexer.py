@@ -41,6 +41,8 @@ class SparseSelection:
 
 
 class Indexer(CacheLayer):
+    decode_rows_independent = True
+
     def __init__(self, hidden_size: int, q_lora_rank: int, n_heads: int, head_dim: int, topk: int,
                  rotary: RotaryEmbedding) -> None:
         super().__init__()

@@ -33,6 +33,8 @@ from lane.model_executor.layers.linear import Linear
 
 
 class MLAAttention(CacheLayer):
+    decode_rows_independent = True
+
     def __init__(self, num_heads: int, kv_lora_rank: int, qk_nope_head_dim: int, qk_rope_head_dim: int,
                  v_head_dim: int, scale: float, kv_b_proj: Linear) -> None:
         super().__init__()
