@@ -353,3 +353,41 @@ def test_served_with_openai_client_metrics_log_trace_and_bench(tmp_path):
             assert summary["spec_decode_accepted_tokens"] == (
                 metric(after, "vllm:spec_decode_num_accepted_tokens_total") - accepted)
     assert answers[0] == answers[1]
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v4"])
+def test_mtp_under_forced_preemption(tiny, arch):
+    """Pools too small for the three requests at once (MLA's latent pool; V4's window pool):
+    requests are preempted, their drafts dropped, everything recomputed (the MTP layer's
+    cache too): the tokens of the run without drafts."""
+    from lane.core.kv_cache_utils import window_blocks_needed
+
+    path, spec = tiny(arch), {"method": "mtp", "num_speculative_tokens": 2}
+    kw = dict(max_num_batched_tokens=16, max_num_seqs=4, max_model_len=128, enable_prefix_caching=False)
+    pages = [g.page_size_bytes for g in _tiny(path, spec, **kw).engine.kv_cache_config.groups]
+    if arch == "deepseek_v3":
+        budget = 10 * pages[0]  # 9 blocks of 16 tokens: one request fits, three do not
+    else:
+        budget = 12 * pages[0] + window_blocks_needed(16, 16, 4, 16)[1] * pages[1] + 5 * pages[2]
+    prompts = [{"prompt_token_ids": p} for p in _prompts((9, 40, 70), seed=3)]
+    base = _tiny(path, **kw)
+    want = _ids(base.generate(prompts, GREEDY, use_tqdm=False))
+    llm = _tiny(path, spec, kv_cache_memory_bytes=budget, **kw)
+    assert _ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == want
+    assert llm.engine.scheduler.num_preemptions > 0
+
+
+def test_logprobs_of_accepted_drafts_equal_without(smollm_gguf, lane_smollm_fp32):
+    """Each accepted draft's logprob (and top-N) is the target's at its position, as without
+    drafts."""
+    sp = SamplingParams(temperature=0, max_tokens=24, logprobs=3, ignore_eos=True)
+    want = lane_smollm_fp32.generate([REPEAT], sp, use_tqdm=False)[0].outputs[0]
+    llm = _smollm(smollm_gguf, _ngram(3))
+    got = llm.generate([REPEAT], sp, use_tqdm=False)[0].outputs[0]
+    assert llm.engine.scheduler.make_stats().spec_decoding.num_accepted_tokens > 5
+    assert got.token_ids == want.token_ids and len(got.logprobs) == 24
+    for a, b in zip(got.logprobs, want.logprobs):
+        assert a.keys() == b.keys()
+        for t in a:
+            assert a[t].rank == b[t].rank and abs(a[t].logprob - b[t].logprob) < 1e-4
+    assert abs(got.cumulative_logprob - want.cumulative_logprob) < 1e-3
