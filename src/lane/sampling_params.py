@@ -18,6 +18,42 @@ class ParamError(ValueError):
 
 
 @dataclass
+class StructuredOutputsParams:
+    """What the output must match (vLLM's ``StructuredOutputsParams``): exactly one of a JSON
+    schema (JSON text), a regex, a list of choices, an EBNF grammar, or any JSON object."""
+    json: str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        if self.json is not None and not isinstance(self.json, str):
+            import json
+
+            self.json = json.dumps(self.json)
+        given = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ParamError("structured_outputs", "structured outputs take exactly one of json, regex, choice, "
+                                                   f"grammar, json_object; got {given or 'none'}")
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ParamError("structured_outputs", "choice must be a non-empty list of non-empty strings")
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, spec): what a compiled grammar is cached by."""
+        if self.json_object:
+            return "json_object", ""
+        if self.choice is not None:
+            import json
+
+            return "choice", json.dumps(self.choice)
+        kind = next(k for k in ("json", "regex", "grammar") if getattr(self, k) is not None)
+        return kind, getattr(self, kind)
+
+
+@dataclass
 class SamplingParams:
     n: int = 1
     temperature: float = 1.0
@@ -36,6 +72,7 @@ class SamplingParams:
     logprobs: int | None = None  # number of top alternatives besides the sampled token
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
 
 from lane.config import SchedulerConfig, SpeculativeConfig
 from lane.core.kv_cache_coordinator import KVCacheBlocks
@@ -27,6 +28,9 @@ from lane.kv_cache_interface import KVCacheConfig
 from lane.metrics.stats import SchedulerStats, SpecDecodingStats
 from lane.outputs import ModelRunnerOutput
 from lane.tracing.steps import Step
+
+if TYPE_CHECKING:
+    from lane.structured_output.manager import StructuredOutputManager
 
 
 @dataclass
@@ -41,8 +45,12 @@ class RequestEvent:
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, kv_cache_config: KVCacheConfig,
                  enable_prefix_caching: bool = True, eos_token_ids: list[int] | None = None,
-                 log_events: bool = False, speculative_config: SpeculativeConfig | None = None) -> None:
+                 log_events: bool = False, speculative_config: SpeculativeConfig | None = None,
+                 structured_output: Callable[[], StructuredOutputManager] | None = None) -> None:
         self.config = scheduler_config
+        # structured outputs: made on the first request that asks (the tokenizer, xgrammar)
+        self._make_structured_output = structured_output
+        self.structured_output: StructuredOutputManager | None = None
         # speculative decoding: drafts come back from the runner, are scheduled like any other
         # tokens, and what the target rejects is rolled back (steps 45-48)
         self.num_lookahead = speculative_config.num_lookahead_slots if speculative_config else 0
@@ -61,6 +69,12 @@ class Scheduler:
     def add_request(self, req: Request) -> None:
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
+        if (so := req.sampling_params.structured_outputs) is not None:
+            if self.structured_output is None:
+                if self._make_structured_output is None:
+                    raise ValueError("structured outputs are not available in this engine")
+                self.structured_output = self._make_structured_output()
+            self.structured_output.submit(req.request_id, so)  # compiles while others decode
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
@@ -96,6 +110,8 @@ class Scheduler:
                 i += 1
                 continue
             drafts = req.spec_token_ids[:max(n - pending, 0)]  # those the budget leaves room for
+            if drafts and req.sampling_params.structured_outputs is not None:
+                drafts, n = [], pending  # no grammar bitmasks for draft positions (yet)
             t_alloc = time.monotonic() if log else 0.0
             while (new_blocks := self.kv.allocate_slots(req, n, None, self.num_lookahead)) is None:  # 18 / 42
                 victim = self.running.pop()
@@ -116,9 +132,13 @@ class Scheduler:
             i += 1
 
         # no admissions in a step that had to preempt
+        compiling: list[Request] = []  # waiting for their grammar: the others go ahead
         while (not preempted_now and self.waiting and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
+            if self.structured_output is not None and not self.structured_output.ready(req.request_id):
+                compiling.append(self.waiting.popleft())
+                continue
             hit, n_hit = None, 0
             t_lookup = time.monotonic() if log else 0.0
             if req.num_computed_tokens == 0:
@@ -156,10 +176,22 @@ class Scheduler:
                     self.kv.get_block_ids(req.request_id), req.num_computed_tokens))
             out.num_scheduled_tokens[req.request_id] = n
             budget -= n
+        self.waiting.extendleft(reversed(compiling))
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
+        if self.structured_output is not None:
+            self._grammar_bitmask(out)
         if not out.is_empty:  # else they wait for a step the workers run
             out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, []
         return out
+
+    def _grammar_bitmask(self, out: SchedulerOutput) -> None:
+        """The tokens each constrained request that samples this step may sample."""
+        rids = [rid for rid, n in out.num_scheduled_tokens.items()
+                if (r := self.requests[rid]).sampling_params.structured_outputs is not None
+                and r.num_computed_tokens + n >= r.num_tokens]
+        if rids:
+            out.structured_output_request_ids = {rid: i for i, rid in enumerate(rids)}
+            out.grammar_bitmask = self.structured_output.bitmask(rids)
 
     def _add_cached(self, cached: CachedRequestData, req: Request, new_blocks: KVCacheBlocks | None,
                     resumed: bool) -> None:
@@ -218,10 +250,14 @@ class Scheduler:
             logprobs = runner_output.logprobs[i] if runner_output.logprobs is not None else None
             new_ids: list[int] = []
             status = None
+            constrained = self.structured_output is not None and req.sampling_params.structured_outputs is not None
             for tok in sampled:
                 req.append_output_token(tok)
                 new_ids.append(tok)
                 if (status := self._check_stop(req, tok)) is not None:
+                    break
+                if constrained and self.structured_output.accept(rid, tok):  # the grammar is complete
+                    status = RequestStatus.FINISHED_STOPPED
                     break
             # a stop inside accepted drafts: what follows it was computed but is not kept
             req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
@@ -283,6 +319,8 @@ class Scheduler:
         req.status = status
         blocks = self.kv.num_blocks_held(req.request_id) if log else 0
         self.kv.free(req)  # step 52
+        if self.structured_output is not None:
+            self.structured_output.finish(req.request_id)
         del self.requests[req.request_id]
         self.finished_req_ids.append(req.request_id)
         if log:

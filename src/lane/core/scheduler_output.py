@@ -6,6 +6,7 @@ The workers keep each request's tokens themselves (they sampled them)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from lane.sampling_params import SamplingParams
 
@@ -48,6 +49,10 @@ class SchedulerOutput:
     preempted_req_ids: list[str] = field(default_factory=list)
     # req id -> draft tokens scheduled (after its pending tokens) to be verified this step
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # structured outputs: req id -> its row of grammar_bitmask ([rows, ceil(V / 32)] int32 numpy
+    # array: the tokens each constrained request that samples this step may sample)
+    structured_output_request_ids: dict[str, int] = field(default_factory=dict)
+    grammar_bitmask: Any = None
 
     @property
     def is_empty(self) -> bool:

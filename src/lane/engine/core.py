@@ -53,7 +53,8 @@ class EngineCore:
         self.warmup_s = self.executor.warmup()
         self.scheduler = Scheduler(config.scheduler_config, kv, cc.enable_prefix_caching,
                                    config.model_config.eos_token_ids, log_events=tracer.enabled,
-                                   speculative_config=config.speculative_config)
+                                   speculative_config=config.speculative_config,
+                                   structured_output=self._structured_output_manager)
         self.kv_cache_bytes = kv.total_bytes
         # what start-up made (modules, weights' wrappers, the tokenizer) lives as long as the
         # engine: frozen, the collector stops re-walking it, 2-3 % of a decode step (as vLLM's
@@ -74,6 +75,13 @@ class EngineCore:
                     kv.num_blocks[0] - 1, kv.block_size, (kv.num_blocks[0] - 1) * kv.block_size, others,
                     self.kv_cache_bytes / 2**20, cc.budget_bytes() / 2**20,
                     "on" if cc.enable_prefix_caching else "off", self.init_s)
+
+    def _structured_output_manager(self):
+        """Made when the first request with structured outputs arrives: the tokenizer, xgrammar."""
+        from lane.structured_output.manager import StructuredOutputManager
+
+        mc = self.config.model_config
+        return StructuredOutputManager(mc.get_tokenizer(), mc.hf_config.vocab_size, mc.eos_token_ids)
 
     @property
     def worker(self):

@@ -7,7 +7,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from lane.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, ParamError, SamplingParams
+from lane.sampling_params import (INT64_MAX, INT64_MIN, MAX_LOGPROBS, ParamError, SamplingParams,
+                                  StructuredOutputsParams)
 
 # The request fields' ranges are declared here too, so /openapi.json tells clients (and
 # schema fuzzers) what is valid; SamplingParams and the InputProcessor check the rest (the
@@ -44,6 +45,29 @@ class UsageInfo(OpenAIBaseModel):
     prompt_tokens_details: dict[str, int] | None = None
 
 
+class JsonSchemaFormat(OpenAIBaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(OpenAIBaseModel):
+    """vLLM's ``structured_outputs`` request field: exactly one of these."""
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
 class SamplingRequest(OpenAIBaseModel):
     """Fields common to completions and chat completions."""
     model: str | None = None
@@ -68,6 +92,46 @@ class SamplingRequest(OpenAIBaseModel):
     include_stop_str_in_output: bool = False
     data_parallel_rank: int | None = Field(None, ge=0)
     return_timing: bool = False  # lane's extension: queue / prefill / decode / TTFT / mean ITL in ms
+    # structured outputs: OpenAI's response_format, vLLM's structured_outputs and older guided_*
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The one constraint the request asks for, checked (a bad schema, regex or grammar is a
+        ParamError naming its field), or None."""
+        from lane.structured_output import grammar_of
+
+        given: list[tuple[str, dict]] = []
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            given.append(("response_format", {"json_object": True}))
+        elif rf is not None and rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
+                raise ParamError("response_format", "response_format of type json_schema needs json_schema.schema")
+            given.append(("response_format", {"json": rf.json_schema.schema_}))
+        if (so := self.structured_outputs) is not None:
+            fields = {"json": so.json_, "regex": so.regex, "choice": so.choice, "grammar": so.grammar,
+                      "json_object": bool(so.json_object)}
+            given.append(("structured_outputs", {k: v for k, v in fields.items() if v not in (None, False)}))
+        for name in ("json", "regex", "choice", "grammar"):
+            if (v := getattr(self, f"guided_{name}")) is not None:
+                given.append((f"guided_{name}", {name: v}))
+        if not given:
+            return None
+        if len(given) > 1:
+            raise ParamError(given[1][0], f"only one structured output constraint per request "
+                                          f"(got {', '.join(p for p, _ in given)})")
+        param, fields = given[0]
+        try:
+            params = StructuredOutputsParams(**fields)
+        except ParamError as e:
+            raise ParamError(param, str(e)) from None
+        grammar_of(params, param)  # refused here, before any compute
+        return params
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         if self.stream_options is not None and not self.stream:
@@ -81,7 +145,8 @@ class SamplingRequest(OpenAIBaseModel):
             max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
-            include_stop_str_in_output=self.include_stop_str_in_output)
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=self.structured_outputs_params())
 
 
 class CompletionRequest(SamplingRequest):

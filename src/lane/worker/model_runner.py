@@ -127,9 +127,11 @@ class ModelRunner:
         return (torch.tensor(input_ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long),
                 md, sample_rows, sampling, batch)
 
-    def _sampling_metadata(self, sampling: list[ScheduledRequest]) -> SamplingMetadata:
+    def _sampling_metadata(self, sampling: list[ScheduledRequest], so: SchedulerOutput | None = None
+                           ) -> SamplingMetadata:
         """One row per sampled position: a request with drafts has one per draft and one
-        after them, each seeing the drafts before it as output (penalties, min_tokens)."""
+        after them, each seeing the drafts before it as output (penalties, min_tokens). The
+        scheduler's grammar bitmask constrains its requests' rows."""
         rows = [(s.state, s.drafts[:j]) for s in sampling for j in range(len(s.drafts) + 1)]
         states = [st for st, _ in rows]
         outputs = [st.output_token_ids + before if before else st.output_token_ids for st, before in rows]
@@ -157,6 +159,10 @@ class ModelRunner:
             md.repetition_penalty = torch.tensor([p.repetition_penalty for p in params])
             md.prompt_token_ids = [st.prompt_token_ids for st in states]
             md.output_token_ids = outputs
+        if so is not None and so.grammar_bitmask is not None:
+            which = so.structured_output_request_ids
+            md.bitmask_rows = [i for i, st in enumerate(states) if st.req_id in which]
+            md.bitmask = torch.from_numpy(so.grammar_bitmask[[which[states[i].req_id] for i in md.bitmask_rows]])
         return md
 
     # -- one step ------------------------------------------------------------------
@@ -191,13 +197,13 @@ class ModelRunner:
                               drafts=sum(len(s.drafts) for s in verifying), requests=len(verifying))
             t_sample = time.monotonic()
         if verifying:
-            tokens, logprobs = self._verify(logits, sampling)  # step 47
+            tokens, logprobs = self._verify(logits, sampling, so)  # step 47
             if prof:
                 tracer.record(Step.RUNNER_REJECTION_SAMPLE, t_sample, time.monotonic(),
                               [s.state.req_id for s in verifying], drafts=sum(len(s.drafts) for s in verifying),
                               accepted=sum(len(t) - 1 for s, t in zip(sampling, tokens) if s.drafts))
         elif sampling:
-            out = sample(logits, self._sampling_metadata(sampling))  # step 34
+            out = sample(logits, self._sampling_metadata(sampling, so))  # step 34
             tokens = [[tok] for tok in out.token_ids]
             logprobs = [[lp] if lp is not None else None for lp in out.logprobs]
         else:
@@ -216,11 +222,14 @@ class ModelRunner:
                                  drafts)
 
     # -- speculative decoding ---------------------------------------------------------
-    def _verify(self, logits: torch.Tensor, sampling: list[ScheduledRequest]) -> tuple[list, list]:
+    def _verify(self, logits: torch.Tensor, sampling: list[ScheduledRequest], so: SchedulerOutput
+                ) -> tuple[list, list]:
         """Step 47: each request's accepted drafts and one token from the target, from the
         distribution the sampler would use at each position (penalties, masks, temperature,
         top-k / top-p / min-p). Logprobs are the raw model's, as the sampler's."""
-        md = self._sampling_metadata(sampling)
+        md = self._sampling_metadata(sampling, so)
+        nums = md.num_logprobs
+        raw = logits.float().log_softmax(dim=-1) if any(n is not None for n in nums) else None  # before masks
         greedy_ids, probs = target_distribution(logits, md)
         first = [0]
         for s in sampling:
@@ -254,9 +263,7 @@ class ModelRunner:
             for b, toks in zip(group, out):
                 tokens[b] = toks
         logprobs: list = [None] * len(sampling)
-        nums = md.num_logprobs
-        if any(n is not None for n in nums):
-            raw = logits.float().log_softmax(dim=-1)
+        if raw is not None:
             for b, toks in enumerate(tokens):
                 if nums[first[b]] is not None:
                     rows = list(range(first[b], first[b] + len(toks)))

@@ -33,6 +33,9 @@ class SamplingMetadata:
     # row -> token ids it must not sample: its stop tokens (EOS, stop_token_ids) while it has
     # fewer than min_tokens outputs
     masked_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    # structured outputs: the constrained rows and their grammars' token bitmask [rows, ceil(V / 32)]
+    bitmask_rows: list[int] = field(default_factory=list)
+    bitmask: torch.Tensor | None = None
 
 
 @dataclass
@@ -89,6 +92,16 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, md: SamplingMetadata) -> torch
     return logits
 
 
+def apply_token_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
+    """Tokens a row's grammar forbids get -inf (in place), for the constrained rows only;
+    bit j of word i allows token 32 i + j."""
+    V = logits.shape[-1]
+    bits = (bitmask.to(torch.int64)[:, :, None] >> torch.arange(32)) & 1  # [R, W, 32]
+    allowed = bits.view(len(rows), -1)[:, :V].bool()
+    idx = torch.tensor(rows, dtype=torch.long)
+    logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
+
+
 def target_distribution(logits: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
     """What each row samples from: (the greedy token after penalties and stop-token masks,
     the probabilities after temperature and top-k / top-p / min-p, or None when all rows are
@@ -99,6 +112,8 @@ def target_distribution(logits: torch.Tensor, md: SamplingMetadata) -> tuple[tor
         logits = apply_penalties(logits, md)
     for row, ids in md.masked_token_ids.items():
         logits[row, ids] = float("-inf")
+    if md.bitmask is not None:
+        apply_token_bitmask(logits, md.bitmask_rows, md.bitmask)
     greedy = cpu_kernels.argmax_rows(logits)
     if md.all_greedy:
         return greedy, None

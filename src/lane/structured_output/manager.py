@@ -1,0 +1,91 @@
+"""StructuredOutputManager (engine core, vLLM's name): grammars compiled for the model's
+tokenizer in a worker thread, so a compile never stalls the running batch (the request
+waits for its grammar, the others keep decoding); compiled grammars cached by spec (LRU);
+one matcher per request, advanced with every token the request keeps; each step's token
+bitmask (int32, a bit per vocabulary entry) for the requests that sample."""
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+
+from lane.sampling_params import StructuredOutputsParams
+from lane.structured_output import grammar_of
+
+logger = logging.getLogger(__name__)
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int], cache_size: int = 128) -> None:
+        import xgrammar as xgr
+
+        self._xgr = xgr
+        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                       stop_token_ids=list(eos_token_ids) or None)
+        self.vocab_size = vocab_size
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+        self.cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self.cache_size = cache_size
+        self.matchers: dict[str, object] = {}  # request id -> GrammarMatcher
+        self.pending: dict[str, Future] = {}
+        self.compile_seconds: dict[tuple[str, str], float] = {}
+
+    # -- grammars ------------------------------------------------------------------
+    def _compile(self, params: StructuredOutputsParams):
+        import time
+
+        t0 = time.perf_counter()
+        compiled = self.compiler.compile_grammar(grammar_of(params))
+        self.compile_seconds[params.key] = time.perf_counter() - t0
+        return compiled
+
+    def submit(self, request_id: str, params: StructuredOutputsParams) -> None:
+        """Start (or reuse) the compile of a request's grammar."""
+        key = params.key
+        fut = self.cache.get(key)
+        if fut is None:
+            fut = self.cache[key] = self.pool.submit(self._compile, params)
+            while len(self.cache) > self.cache_size:
+                self.cache.popitem(last=False)
+        else:
+            self.cache.move_to_end(key)
+        self.pending[request_id] = fut
+
+    def ready(self, request_id: str) -> bool:
+        """Whether the request's grammar is compiled (its matcher then exists)."""
+        fut = self.pending.get(request_id)
+        if fut is None:
+            return True
+        if not fut.done():
+            return False
+        del self.pending[request_id]
+        self.matchers[request_id] = self._xgr.GrammarMatcher(fut.result())
+        return True
+
+    # -- per step ------------------------------------------------------------------
+    def bitmask(self, request_ids: list[str]) -> np.ndarray:
+        """[len(request_ids), ceil(V / 32)] int32: the tokens each request may sample next."""
+        mask = self._xgr.allocate_token_bitmask(len(request_ids), self.vocab_size)
+        for row, rid in enumerate(request_ids):
+            self.matchers[rid].fill_next_token_bitmask(mask, row)
+        return mask.numpy()
+
+    def accept(self, request_id: str, token_id: int) -> bool:
+        """Advance the request's matcher; True once its grammar is complete (it then stops)."""
+        m = self.matchers.get(request_id)
+        if m is None:
+            return False
+        if not m.accept_token(token_id):
+            logger.warning("request %s: token %d does not fit its grammar", request_id, token_id)
+        return m.is_terminated()
+
+    def finish(self, request_id: str) -> None:
+        self.matchers.pop(request_id, None)
+        self.pending.pop(request_id, None)
+
+    def shutdown(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
