@@ -1,0 +1,170 @@
+"""Structured outputs on xgrammar, on the embedded SmolLM2 (a real trained model): every
+output of a JSON schema validates, of a regex matches, of a choice is one; free requests
+batched with constrained ones keep their text; the openai client's parse() round-trips;
+streaming joins to the same text; a bad schema / regex / grammar is a 400 naming its field;
+a grammar still compiling holds back its own request only."""
+import json
+import re
+import threading
+import time
+
+import jsonschema
+import openai
+import pytest
+
+from lane import LLM, SamplingParams
+from lane.sampling_params import StructuredOutputsParams as SO
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "role": {"enum": ["engineer", "teacher", "doctor", "artist"]},
+        "skills": {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 1, "maxItems": 3},
+        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 16}},
+                    "required": ["city"], "additionalProperties": False},
+    },
+    "required": ["name", "age", "role", "skills", "address"],
+    "additionalProperties": False,
+}
+TOPICS = ["a nurse", "a pilot", "a painter", "a chef", "a teacher in Lyon", "a young coder", "an old farmer",
+          "a doctor", "a singer", "a sailor", "a baker", "a judge", "a miner", "a poet", "a tailor", "a nun",
+          "a drummer", "a clerk", "a guide", "a monk"]
+DATE = r"\d{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"
+
+
+def chat(llm, text):
+    return {"prompt_token_ids": llm.apply_chat_template([{"role": "user", "content": text}])}
+
+
+@pytest.fixture(scope="module")
+def llm(smollm_gguf):
+    return LLM(smollm_gguf, dtype="float32", quantization="none", kv_cache_memory_bytes=256 << 20,
+               max_model_len=1024, show_progress=False)
+
+
+def test_json_schema_every_output_validates(llm):
+    prompts = [chat(llm, f"Describe {t} as a JSON object with name, age, role, skills and address.")
+               for t in TOPICS]
+    sp = SamplingParams(temperature=0, max_tokens=120, structured_outputs=SO(json=PERSON))
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    assert len(outs) == 20
+    for o in outs:
+        c = o.outputs[0]
+        assert c.finish_reason == "stop", c.text  # cut by the length limit counts as a failure
+        jsonschema.validate(json.loads(c.text), PERSON)
+    # sampled too: every draw still fits
+    sp = SamplingParams(temperature=1.0, max_tokens=120, seed=3, structured_outputs=SO(json=PERSON))
+    for o in llm.generate(prompts[:6], sp, use_tqdm=False):
+        jsonschema.validate(json.loads(o.outputs[0].text), PERSON)
+
+
+def test_regex_choice_json_object_and_free_neighbours(llm):
+    qs = ["When did the first moon landing happen?", "When was the Eiffel Tower finished?", "What is today's date?"]
+    free_alone = [o.outputs[0].text for o in llm.generate(
+        [chat(llm, q) for q in qs], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)]
+    cases = [SO(regex=DATE), SO(choice=["yes", "no", "maybe"]), SO(json_object=True)]
+    prompts, params = [], []
+    for q in qs:  # a free request next to each constrained one, in one batch
+        for so in cases:
+            ask = q + (" Answer as a JSON object with the key 'answer'." if so.json_object else "")
+            prompts.append(chat(llm, ask))
+            params.append(SamplingParams(temperature=0, max_tokens=80, structured_outputs=so))
+        prompts.append(chat(llm, q))
+        params.append(SamplingParams(temperature=0, max_tokens=24))
+    outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    for i, q in enumerate(qs):
+        date, choice, obj, free = outs[4 * i:4 * i + 4]
+        assert re.fullmatch(DATE, date.text), date.text
+        assert choice.text in ("yes", "no", "maybe")
+        assert isinstance(json.loads(obj.text), dict)
+        assert free.text == free_alone[i]  # float32 greedy: the batch changes nothing
+
+
+def test_a_compiling_grammar_holds_back_only_its_request(smollm_gguf):
+    """The compile thread is kept busy: the constrained request waits, the free one decodes;
+    once the thread is free the constrained one runs and its output matches."""
+    from lane.engine.messages import EngineCoreRequest
+
+    llm = LLM(smollm_gguf, kv_cache_memory_bytes=64 << 20, max_model_len=512, show_progress=False)
+    llm.generate(["warm"], SamplingParams(max_tokens=1, structured_outputs=SO(regex="a")), use_tqdm=False)
+    manager = llm.engine.scheduler.structured_output
+    gate = threading.Event()
+    manager.pool.submit(gate.wait)  # the one compile thread, busy
+    try:
+        tok = llm.get_tokenizer()
+        llm.engine.add_request(EngineCoreRequest("c", tok.encode("The year is"), SamplingParams(
+            temperature=0, max_tokens=8, structured_outputs=SO(regex=r" \d{4}"))))
+        llm.engine.add_request(EngineCoreRequest("f", tok.encode("Once upon a time"),
+                                                 SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)))
+        done = set()
+        for _ in range(12):
+            done |= {o.request_id for o in llm.engine.step() if o.finish_reason is not None}
+        assert done == {"f"}  # the free request finished while the grammar waited
+        assert [r.request_id for r in llm.engine.scheduler.waiting] == ["c"]
+    finally:
+        gate.set()
+    text, deadline = [], time.monotonic() + 60
+    while llm.engine.has_unfinished_requests() and time.monotonic() < deadline:  # the compile runs now
+        for out in llm.engine.step():
+            text += out.new_token_ids
+    assert re.fullmatch(r" \d{4}", tok.decode(text, skip_special_tokens=True))
+
+
+@pytest.fixture(scope="module")
+def server():
+    from utils import RemoteServer
+
+    with RemoteServer(["--dtype", "float32", "--quantization", "none", "--kv-cache-memory-bytes", "128M",
+                       "--max-model-len", "1024"]) as s:
+        yield s
+
+
+def test_openai_parse_and_streaming(server):
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        name: str = Field(max_length=20)
+        country: str = Field(max_length=20)
+        population_millions: int
+
+    c = server.client()
+    model = c.models.list().data[0].id
+    msgs = [{"role": "user", "content": "Give me a large city as JSON."}]
+    r = c.chat.completions.parse(model=model, messages=msgs, response_format=City, temperature=0, max_tokens=80)
+    city = r.choices[0].message.parsed
+    assert isinstance(city, City) and r.choices[0].finish_reason == "stop"
+    # the same request streamed: the deltas join to the same text
+    schema = {"type": "json_schema", "json_schema": {"name": "City", "schema": City.model_json_schema(),
+                                                       "strict": True}}
+    full = c.chat.completions.create(model=model, messages=msgs, response_format=schema, temperature=0,
+                                     max_tokens=80).choices[0].message.content
+    stream = c.chat.completions.create(model=model, messages=msgs, response_format=schema, temperature=0,
+                                       max_tokens=80, stream=True)
+    assert "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices) == full
+    assert City.model_validate_json(full) == city
+    # completions, with vLLM's fields
+    r = c.completions.create(model=model, prompt="The war ended in the year", max_tokens=8, temperature=0,
+                             extra_body={"structured_outputs": {"regex": r" \d{4}"}})
+    assert re.fullmatch(r" \d{4}", r.choices[0].text)
+    r = c.completions.create(model=model, prompt="Is water wet? Answer:", max_tokens=8, temperature=0,
+                             extra_body={"guided_choice": [" yes", " no"]})
+    assert r.choices[0].text in (" yes", " no")
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"guided_regex": "(("}, "guided_regex"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objec"}}}},
+     "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"structured_outputs": {"grammar": "root ::= "}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    ({"guided_json": "{not json"}, "guided_json"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
+])
+def test_bad_constraints_are_400_naming_the_field(server, body, param):
+    c = server.client()
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=c.models.list().data[0].id, prompt="x", max_tokens=4, extra_body=body)
+    assert e.value.status_code == 400 and e.value.body["param"] == param, e.value.body
