@@ -168,3 +168,19 @@ def test_bad_constraints_are_400_naming_the_field(server, body, param):
     with pytest.raises(openai.BadRequestError) as e:
         c.completions.create(model=c.models.list().data[0].id, prompt="x", max_tokens=4, extra_body=body)
     assert e.value.status_code == 400 and e.value.body["param"] == param, e.value.body
+
+
+def test_unknown_fields_are_logged_and_counted(server):
+    """Fields lane does not implement are not silently dropped: a warning names them and
+    /metrics counts them per field."""
+    import httpx2 as httpx
+
+    from utils import metric
+
+    c = server.client()
+    c.completions.create(model=c.models.list().data[0].id, prompt="Hi", max_tokens=2,
+                         extra_body={"best_of_everything": 3, "tool_choice": "auto"})
+    text = httpx.get(server.url + "/metrics").text
+    assert metric(text, "lane:request_ignored_fields_total", field="best_of_everything") >= 1
+    assert metric(text, "lane:request_ignored_fields_total", field="tool_choice") >= 1
+    assert "fields were present in the request but ignored: best_of_everything, tool_choice" in server.read_log()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from typing import Any, AsyncIterator, Awaitable
@@ -23,6 +24,8 @@ from lane.entrypoints.protocol import (ChatChoice, ChatCompletionChunk, ChatComp
 from lane.outputs import CompletionOutput, RequestOutput
 from lane.sampling_params import ParamError, SamplingParams
 from lane.tracing import Step, tracer
+
+logger = logging.getLogger(__name__)
 
 
 class APIError(Exception):
@@ -139,6 +142,10 @@ class OpenAIServing:
     def _start(self, prefix: str, prompts: list[tuple[str | None, list[int]]], request: SamplingRequest,
                raw_request: Request, t_entry: float) -> tuple[str, list[RequestStream], int]:
         """Validate every prompt, then send them; returns (response id, handles, n)."""
+        if request.ignored_fields:  # as vLLM: said, not silently dropped
+            logger.warning("The following fields were present in the request but ignored: %s",
+                           ", ".join(request.ignored_fields))
+            self.engine.prometheus.record_ignored_fields(request.ignored_fields)
         try:
             params = [self._params(ids, request) for _, ids in prompts]
         except ValueError as e:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from lane.sampling_params import (INT64_MAX, INT64_MIN, MAX_LOGPROBS, ParamError, SamplingParams,
                                   StructuredOutputsParams)
@@ -69,7 +69,24 @@ class StructuredOutputs(OpenAIBaseModel):
 
 
 class SamplingRequest(OpenAIBaseModel):
-    """Fields common to completions and chat completions."""
+    """Fields common to completions and chat completions. Top-level fields lane does not
+    implement are ignored, not silently: they are kept in ``ignored_fields`` (the server logs
+    and counts them)."""
+    _ignored_fields: list[str] = PrivateAttr(default_factory=list)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _note_ignored_fields(cls, data: Any, handler):
+        request = handler(data)
+        if isinstance(data, dict):
+            known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
+            request._ignored_fields = sorted(k for k in data if k not in known)
+        return request
+
+    @property
+    def ignored_fields(self) -> list[str]:
+        return self._ignored_fields
+
     model: str | None = None
     n: int = Field(1, ge=1)
     temperature: float | None = Field(None, ge=0)

@@ -54,6 +54,9 @@ class PrometheusStatLogger:
         self.refused = counter("vllm:num_requests_refused",
                                "Requests refused with 503 because the engine they would go to had "
                                "--max-num-waiting-requests waiting.")
+        self.ignored_fields = Counter("lane:request_ignored_fields", "Requests that carried a field lane does "
+                                      "not implement (ignored), by field name.", ["model_name", "field"],
+                                      registry=registry)
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
         self.request_success = counter("vllm:request_success", "Count of successfully processed requests.",
@@ -97,6 +100,10 @@ class PrometheusStatLogger:
                                enable_prefix_caching: bool, cache_dtype: str, kv_cache_bytes: int) -> None:
         self.cache_config_info.labels(self.model_name, str(engine_index), str(block_size), str(num_blocks),
                                       str(enable_prefix_caching), cache_dtype, str(kv_cache_bytes)).set(1)
+
+    def record_ignored_fields(self, fields: list[str]) -> None:
+        for f in fields:
+            self.ignored_fields.labels(self.model_name, f[:64]).inc()
 
     def record_refused(self, engine_index: int) -> None:
         self.refused.labels(self.model_name, str(engine_index)).inc()
