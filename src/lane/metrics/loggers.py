@@ -119,13 +119,13 @@ class PrometheusStatLogger:
             self.prefix_queries.labels(*lv).inc(max(s.prefix_cache_queries - last.prefix_cache_queries, 0))
             self.prefix_hits.labels(*lv).inc(max(s.prefix_cache_hits - last.prefix_cache_hits, 0))
             self.preemptions.labels(*lv).inc(max(s.num_preemptions - last.num_preemptions, 0))
-            if (sd := s.spec_decoding) is not None:
-                prev = last.spec_decoding or SpecDecodingStats(sd.num_spec_tokens)
-                self.spec_drafts.labels(*lv).inc(sd.num_drafts - prev.num_drafts)
-                self.spec_draft_tokens.labels(*lv).inc(sd.num_draft_tokens - prev.num_draft_tokens)
-                self.spec_accepted.labels(*lv).inc(sd.num_accepted_tokens - prev.num_accepted_tokens)
-                for pos, (a, b) in enumerate(zip(sd.num_accepted_tokens_per_pos, prev.num_accepted_tokens_per_pos)):
-                    self.spec_accepted_per_pos.labels(*lv, str(pos)).inc(a - b)
+            if s.spec_decoding is not None:
+                d = s.spec_decoding.since(last.spec_decoding)
+                self.spec_drafts.labels(*lv).inc(d.num_drafts)
+                self.spec_draft_tokens.labels(*lv).inc(d.num_draft_tokens)
+                self.spec_accepted.labels(*lv).inc(d.num_accepted_tokens)
+                for pos, n in enumerate(d.num_accepted_tokens_per_pos):
+                    self.spec_accepted_per_pos.labels(*lv, str(pos)).inc(n)
             self._last[engine_index] = s
         if iteration_stats is None:
             return
@@ -190,18 +190,16 @@ class LoggingStatLogger:
             self.engine_index, self.num_prompt_tokens / dt, self.num_generation_tokens / dt,
             s.num_running_reqs, s.num_waiting_reqs, 100 * s.kv_cache_usage,
             100 * hits / queries if queries else 0.0)
-        if (sd := s.spec_decoding) is not None:
-            self._log_spec(sd, self.spec_at_last_log or SpecDecodingStats(sd.num_spec_tokens))
+        if s.spec_decoding is not None:
+            self._log_spec(s.spec_decoding.since(self.spec_at_last_log))
         self._logged_idle = idle
         self._reset(now)
 
-    def _log_spec(self, now: SpecDecodingStats, then: SpecDecodingStats) -> None:
-        drafts = now.num_drafts - then.num_drafts
+    def _log_spec(self, d: SpecDecodingStats) -> None:
+        drafts, proposed, accepted = d.num_drafts, d.num_draft_tokens, d.num_accepted_tokens
         if not drafts:
             return
-        proposed = now.num_draft_tokens - then.num_draft_tokens
-        accepted = now.num_accepted_tokens - then.num_accepted_tokens
-        per_pos = [(a - b) / drafts for a, b in zip(now.num_accepted_tokens_per_pos, then.num_accepted_tokens_per_pos)]
+        per_pos = [n / drafts for n in d.num_accepted_tokens_per_pos]
         logger.info("SpecDecoding metrics: Mean acceptance length: %.2f, Drafted: %d tokens, Accepted: %d tokens, "
                     "Per-position acceptance rate: %s, Avg Draft acceptance rate: %.1f%%",
                     1 + accepted / drafts, proposed, accepted,

@@ -41,6 +41,16 @@ class SpecDecodingStats:
         for i in range(num_accepted_tokens):
             self.num_accepted_tokens_per_pos[i] += 1
 
+    def since(self, then: "SpecDecodingStats | None") -> "SpecDecodingStats":
+        """What was counted after ``then`` (None: since the start)."""
+        if then is None:
+            return self.copy()
+        return SpecDecodingStats(self.num_spec_tokens, self.num_drafts - then.num_drafts,
+                                 self.num_draft_tokens - then.num_draft_tokens,
+                                 self.num_accepted_tokens - then.num_accepted_tokens,
+                                 [a - b for a, b in zip(self.num_accepted_tokens_per_pos,
+                                                        then.num_accepted_tokens_per_pos)])
+
     def copy(self) -> "SpecDecodingStats":
         return SpecDecodingStats(self.num_spec_tokens, self.num_drafts, self.num_draft_tokens,
                                  self.num_accepted_tokens, list(self.num_accepted_tokens_per_pos))

@@ -20,9 +20,8 @@ import torch
 import torch.nn as nn
 
 from lane.attention.metadata import BatchLayout, CommonAttentionMetadata, set_forward_context
+from lane.model_executor.layers.sampler import inverse_cdf
 from lane.worker.input_batch import ScheduledRequest
-
-_EPS = 1e-5
 
 
 @dataclass
@@ -71,12 +70,10 @@ class MtpProposer:
         tokens = logits.argmax(-1).tolist()
         probs: list[torch.Tensor | None] = [None] * len(reqs)
         for b, s in enumerate(reqs):
-            t = s.state.sampling_params.temperature
-            if t >= _EPS:
-                q = torch.softmax(logits[b] / t, dim=-1)
-                u = torch.rand(1, generator=s.state.generator, dtype=torch.float64)
-                cdf = q.double().cumsum(-1)
-                tokens[b] = int(torch.searchsorted(cdf, u * cdf[-1]).clamp_(max=q.shape[-1] - 1))
+            sp = s.state.sampling_params
+            if not sp.greedy:
+                q = torch.softmax(logits[b] / sp.temperature, dim=-1)
+                tokens[b] = int(inverse_cdf(q[None], 1.0 - torch.rand(1, 1, generator=s.state.generator)))
                 probs[b] = q
         return tokens, probs
 

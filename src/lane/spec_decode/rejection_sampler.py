@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from lane.model_executor.layers.sampler import inverse_cdf
+
 
 def _uniform(counts: list[int], width: int, generators: list[torch.Generator | None] | None) -> torch.Tensor:
     """[B, width] uniforms, row b's first counts[b] drawn (from its generator if it has one), the
@@ -33,9 +35,7 @@ def _sample(probs: torch.Tensor, generators: list[torch.Generator | None] | None
     """One token per row of probs [B, V] (rows need not be normalised): the sampler's inverse
     CDF with its one draw u in (0, 1], so a seeded row without drafts samples exactly as it
     would with no speculation in the step."""
-    cdf = probs.float().cumsum(-1)
-    u = 1.0 - _uniform([1] * probs.shape[0], 1, generators)
-    return torch.searchsorted(cdf, u * cdf[:, -1:]).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
+    return inverse_cdf(probs.float(), 1.0 - _uniform([1] * probs.shape[0], 1, generators))
 
 
 def rejection_sample(draft_ids: torch.Tensor, target_probs: torch.Tensor, draft_probs: torch.Tensor | None = None,

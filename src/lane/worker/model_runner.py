@@ -104,16 +104,15 @@ class ModelRunner:
         cache up to itself, so a verify step stays a decode step (fused kernel included)."""
         as_decodes = [s.is_decode or (self._verify_as_decodes and bool(s.drafts) and not s.state.fresh)
                       for s in batch]
-        batch = [s for _, s in sorted(zip(as_decodes, batch), key=lambda p: not p[0])]
+        ordered = sorted(zip(as_decodes, batch), key=lambda p: not p[0])  # stable: decode-shaped first
+        batch = [s for _, s in ordered]
         input_ids: list[int] = []
         positions: list[int] = []
         layout = BatchLayout()
-        for s in batch:
+        for as_decode, s in ordered:
             start = s.state.num_computed_tokens
             rows = s.input_ids()
-            layout.add(s.state.block_ids, start, len(rows),
-                       s.is_decode or (self._verify_as_decodes and bool(s.drafts) and not s.state.fresh),
-                       s.state.fresh, len(s.drafts))
+            layout.add(s.state.block_ids, start, len(rows), as_decode, s.state.fresh, len(s.drafts))
             input_ids.extend(rows)
             positions.extend(range(start, start + s.num_tokens))
         md = self._attn_metadata(layout.common(self.spec is not None), layout.block_ids)
@@ -235,8 +234,8 @@ class ModelRunner:
         for s in sampling:
             first.append(first[-1] + len(s.drafts) + 1)
         tokens: list[list[int]] = [[] for _ in sampling]
-        greedy = [b for b, s in enumerate(sampling) if s.state.sampling_params.temperature < 1e-5]
-        random = [b for b, s in enumerate(sampling) if s.state.sampling_params.temperature >= 1e-5]
+        greedy = [b for b, s in enumerate(sampling) if s.state.sampling_params.greedy]
+        random = [b for b, s in enumerate(sampling) if not s.state.sampling_params.greedy]
         for group, is_greedy in ((greedy, True), (random, False)):
             if not group:
                 continue

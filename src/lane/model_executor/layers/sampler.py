@@ -123,6 +123,13 @@ def target_distribution(logits: torch.Tensor, md: SamplingMetadata) -> tuple[tor
     return greedy, apply_top_k_top_p_min_p(logits / temp, md).softmax(dim=-1)
 
 
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of probs [B, V] (rows need not be normalised) for uniforms u [B, 1]
+    in (0, 1]: such a u never lands on a zero-probability token."""
+    cdf = probs.cumsum(dim=-1)
+    return torch.searchsorted(cdf, u * cdf[:, -1:]).squeeze(1).clamp_(max=probs.shape[-1] - 1)
+
+
 def token_logprobs(raw_logprobs: torch.Tensor, tokens: list[int], num_logprobs: list[int | None]) -> list[tuple | None]:
     """Per row: None, or (the token's logprob, its rank, [(token id, logprob)] of the top N)."""
     out: list[tuple | None] = [None] * len(tokens)
@@ -155,9 +162,7 @@ def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         u = 1.0 - torch.rand(len(probs), 1)
         for row, gen in md.generators.items():
             u[row] = 1.0 - torch.rand(1, generator=gen)
-        cdf = probs.cumsum(dim=-1)
-        sampled = torch.searchsorted(cdf, u * cdf[:, -1:]).squeeze(1).clamp_(max=probs.shape[-1] - 1)
-        tokens = torch.where(md.temperature < _EPS, greedy, sampled)
+        tokens = torch.where(md.temperature < _EPS, greedy, inverse_cdf(probs, u))
     token_list = tokens.tolist()
     logprobs = (token_logprobs(raw_logprobs, token_list, md.num_logprobs) if raw_logprobs is not None
                 else [None] * len(token_list))
