@@ -1,6 +1,11 @@
-"""``deepseek_r1``: thinking between ``<think>`` and ``</think>`` goes to ``reasoning_content``
-(vLLM's field), the rest to content. R1-style chat templates open ``<think>`` in the prompt,
-so an output may start inside the reasoning without the opening tag."""
+"""Reasoning parsers (vLLM's ``--reasoning-parser``): thinking between ``<think>`` and
+``</think>`` goes to ``reasoning_content`` (vLLM's field), the rest to content.
+
+- ``deepseek_r1``: always thinks. R1-style chat templates open ``<think>`` in the prompt, so
+  an output may start inside the reasoning without the opening tag.
+- ``deepseek_v3`` (V3.1, V3.2, V4): thinks only when the request turns it on in
+  ``chat_template_kwargs`` (``thinking`` or ``enable_thinking``), as those templates do;
+  otherwise the output is all content."""
 from __future__ import annotations
 
 from lane.entrypoints.tool_parsers.types import DeltaMessage, held_back
@@ -9,6 +14,12 @@ THINK, END_THINK = "<think>", "</think>"
 
 
 class DeepSeekR1ReasoningParser:
+    start, end = THINK, END_THINK
+
+    @staticmethod
+    def thinks(chat_template_kwargs: dict | None) -> bool:
+        return True
+
     def __init__(self) -> None:
         self.text = ""
         self.sent = 0  # characters of text consumed into deltas
@@ -44,3 +55,17 @@ class DeepSeekR1ReasoningParser:
                 out.content = self.text[start:]
             self.sent = len(self.text)
         return out if out.reasoning_content or out.content else None
+
+    def finish(self) -> DeltaMessage | None:
+        """The end of the output: a held-back partial ``</think>`` was reasoning after all."""
+        if self.sent >= len(self.text) or END_THINK in self.text:
+            return None
+        rest, self.sent = self.text[max(self.sent, 0):], len(self.text)
+        return DeltaMessage(reasoning_content=rest)
+
+
+class DeepSeekV3ReasoningParser(DeepSeekR1ReasoningParser):
+    @staticmethod
+    def thinks(chat_template_kwargs: dict | None) -> bool:
+        kw = chat_template_kwargs or {}
+        return bool(kw.get("thinking", kw.get("enable_thinking", False)))

@@ -1,6 +1,10 @@
-"""What the parsers return: OpenAI's tool call and streaming delta shapes, as dataclasses."""
+"""What the parsers return (OpenAI's tool call and streaming delta shapes, as dataclasses)
+and ``ToolParser``, the streaming machinery every format shares: a format only says where
+its calls start (``start``) and how far a call is written so far (``scan``)."""
 from __future__ import annotations
 
+import json
+import re
 import uuid
 from dataclasses import dataclass, field
 
@@ -31,6 +35,15 @@ class DeltaMessage:
     tool_calls: list[DeltaToolCall] = field(default_factory=list)
 
 
+@dataclass
+class PartialCall:
+    """A call as far as it is written: its name once complete, and arguments text that only
+    grows (what a streamed call's fragments join to so far)."""
+    name: str | None
+    arguments: str
+    closed: bool
+
+
 def held_back(text: str, marker: str) -> int:
     """How many trailing characters of ``text`` could be the start of ``marker`` (kept back
     while streaming, so a marker split over deltas never leaks as text)."""
@@ -38,3 +51,95 @@ def held_back(text: str, marker: str) -> int:
         if marker.startswith(text[-n:]):
             return n
     return 0
+
+
+_NAME = re.compile(r'"name"\s*:\s*("(?:[^"\\]|\\.)*")')
+
+
+def named_object(body: str, closed: bool, args_key: str) -> PartialCall | None:
+    """A call written as a JSON object ``{"name": ..., "<args_key>": {...}}`` (Hermes, and
+    tool_choice=required's array items). While the object is open, the arguments grow up to
+    their last safe character (trailing braces may be the object's own); once closed, the
+    object must parse (None if not)."""
+    m = _NAME.search(body)
+    a = re.search(rf'"{args_key}"\s*:\s*', body)
+    if closed:
+        try:
+            obj = json.loads(body)
+            name, args = obj["name"], obj.get(args_key, {})
+        except (ValueError, KeyError, TypeError):
+            return None
+        if not isinstance(name, str):
+            return None
+        if m and a and m.end() <= a.start():  # raw text, so the streamed fragments are a prefix of it
+            raw = body[a.end():].strip()
+            return PartialCall(name, raw[:-1].rstrip() if raw.endswith("}") else raw, True)
+        return PartialCall(name, args if isinstance(args, str) else json.dumps(args, ensure_ascii=False), True)
+    if m is None:
+        return PartialCall(None, "", False)
+    raw = body[a.end():] if a is not None and m.end() <= a.start() else ""
+    return PartialCall(json.loads(m.group(1)), raw.rstrip().rstrip("}").rstrip(), False)
+
+
+class ToolParser:
+    """A model's tool-call format. Text before ``start`` is content; ``scan(text)`` reads the
+    calls from ``start`` on. Non-streaming: ``extract``; streaming: ``extract_streaming`` per
+    text delta (content until a call starts, a possible partial ``start`` held back; a call's
+    id and name once its name is complete, then argument fragments as they grow), and
+    ``finish`` at the end (what was held back)."""
+    start: str = ""
+    keeps_special_tokens = False  # the format's markers are special tokens: decode keeps them
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.content_sent = 0
+        self.ids: list[str] = []
+        self.args_sent: list[int] = []  # -1: the call's name not sent yet
+
+    def scan(self, text: str) -> list[PartialCall]:
+        raise NotImplementedError
+
+    def extract(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(content, tool calls); an output without well-formed calls is all content."""
+        i = text.find(self.start)
+        if i < 0:
+            return text, []
+        calls = self.scan(text[i:])
+        if not calls or not all(c.closed and c.name for c in calls):
+            return text, []
+        return text[:i].strip() or None, [ToolCall(c.name, c.arguments) for c in calls]
+
+    def extract_streaming(self, delta: str) -> DeltaMessage | None:
+        self.text += delta
+        out = DeltaMessage()
+        i = self.text.find(self.start) if self.start else 0
+        end = i if i >= 0 else len(self.text) - held_back(self.text, self.start)
+        if end > self.content_sent:
+            out.content = self.text[self.content_sent:end]
+            self.content_sent = end
+        if i >= 0:
+            for k, call in enumerate(self.scan(self.text[i:])):
+                if k == len(self.ids):
+                    self.ids.append(tool_call_id())
+                    self.args_sent.append(-1)
+                if call.name is None:
+                    break
+                d = None
+                if self.args_sent[k] < 0:
+                    d = DeltaToolCall(k, self.ids[k], call.name)
+                    out.tool_calls.append(d)
+                    self.args_sent[k] = 0
+                if len(call.arguments) > self.args_sent[k]:
+                    if d is None:
+                        d = DeltaToolCall(k)
+                        out.tool_calls.append(d)
+                    d.arguments = call.arguments[self.args_sent[k]:]
+                    self.args_sent[k] = len(call.arguments)
+        return out if out.content or out.tool_calls else None
+
+    def finish(self) -> DeltaMessage | None:
+        """The end of the output: content held back as a possible marker goes out."""
+        if self.ids or self.content_sent >= len(self.text):
+            return None
+        rest, self.content_sent = self.text[self.content_sent:], len(self.text)
+        return DeltaMessage(content=rest)
