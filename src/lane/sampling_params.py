@@ -26,6 +26,9 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool = False
+    # the constraint starts after these tokens (a reasoning parser's end of thinking, e.g.
+    # </think>): the reasoning is free text. None: from the first token
+    reasoning_end: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.json is not None and not isinstance(self.json, str):

@@ -188,7 +188,7 @@ class Scheduler:
         """The tokens each constrained request that samples this step may sample."""
         rids = [rid for rid, n in out.num_scheduled_tokens.items()
                 if (r := self.requests[rid]).sampling_params.structured_outputs is not None
-                and r.num_computed_tokens + n >= r.num_tokens]
+                and r.num_computed_tokens + n >= r.num_tokens and self.structured_output.constrains(rid)]
         if rids:
             out.structured_output_request_ids = {rid: i for i, rid in enumerate(rids)}
             out.grammar_bitmask = self.structured_output.bitmask(rids)

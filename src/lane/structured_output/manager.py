@@ -30,6 +30,8 @@ class StructuredOutputManager:
         self.cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self.cache_size = cache_size
         self.matchers: dict[str, object] = {}  # request id -> GrammarMatcher
+        # requests still reasoning: request id -> (the end marker's ids, the last tokens seen)
+        self.reasoning: dict[str, tuple[list[int], list[int]]] = {}
         self.pending: dict[str, Future] = {}
         self.compile_seconds: dict[tuple[str, str], float] = {}
 
@@ -53,6 +55,12 @@ class StructuredOutputManager:
         else:
             self.cache.move_to_end(key)
         self.pending[request_id] = fut
+        if params.reasoning_end:
+            self.reasoning[request_id] = (list(params.reasoning_end), [])
+
+    def constrains(self, request_id: str) -> bool:
+        """Whether the request's next token is constrained (not while it is still reasoning)."""
+        return request_id not in self.reasoning
 
     def ready(self, request_id: str) -> bool:
         """Whether the request's grammar is compiled (its matcher then exists)."""
@@ -75,6 +83,13 @@ class StructuredOutputManager:
 
     def accept(self, request_id: str, token_id: int) -> bool:
         """Advance the request's matcher; True once its grammar is complete (it then stops)."""
+        if (thinking := self.reasoning.get(request_id)) is not None:  # free until the marker ends
+            end, tail = thinking
+            tail.append(token_id)
+            del tail[:-len(end)]
+            if tail == end:
+                del self.reasoning[request_id]
+            return False
         m = self.matchers.get(request_id)
         if m is None:
             return False
@@ -85,6 +100,7 @@ class StructuredOutputManager:
     def finish(self, request_id: str) -> None:
         self.matchers.pop(request_id, None)
         self.pending.pop(request_id, None)
+        self.reasoning.pop(request_id, None)
 
     def shutdown(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
