@@ -27,12 +27,15 @@ class InputProcessor:
         raise TypeError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            chat_template: str | None = None) -> list[int]:
+                            chat_template: str | None = None, tools: list[dict] | None = None,
+                            chat_template_kwargs: dict | None = None) -> list[int]:
+        """The conversation rendered by the chat template (the model's, or one given), with
+        the tools the request offers, then tokenized."""
         if not messages:
             raise ParamError("messages", "messages must not be empty")
         text = self.tokenizer.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-            chat_template=chat_template)
+            chat_template=chat_template, tools=tools, **(chat_template_kwargs or {}))
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:

@@ -18,7 +18,7 @@ from starlette.responses import JSONResponse, Response
 import lane
 from lane.config import EngineArgs
 from lane.engine.async_llm import AsyncLLM
-from lane.entrypoints.openai_serving import APIError, OpenAIServing, bad_request, error_body
+from lane.entrypoints.openai_serving import APIError, ChatOptions, OpenAIServing, bad_request, error_body
 from lane.entrypoints.protocol import (TOKEN_ID_MARK, ChatCompletionRequest, CompletionRequest,
                                        DetokenizeRequest, ErrorResponse, ModelCard, ModelList, TokenizeRequest)
 from lane.sampling_params import ParamError
@@ -82,12 +82,13 @@ def document_schema(app: FastAPI, vocab_size: int) -> None:
     app.openapi = openapi
 
 
-def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | None = None) -> FastAPI:
+def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | None = None,
+              chat: ChatOptions | None = None) -> FastAPI:
     # no /docs pages (they load scripts from a CDN); /openapi.json describes the routes
     app = FastAPI(title="lane", version=lane.__version__, openapi_url="/openapi.json", docs_url=None,
                   redoc_url=None, responses=ERROR_RESPONSES)
     document_schema(app, engine.processor.vocab_size)
-    serving = OpenAIServing(engine, served_model_names)
+    serving = OpenAIServing(engine, served_model_names, chat)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(_: Request, exc: RequestValidationError):
@@ -177,7 +178,8 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
         try:
             if request.messages is not None:
                 conversation = ChatCompletionRequest(messages=request.messages).conversation()
-                ids = engine.processor.apply_chat_template(conversation, request.add_generation_prompt)
+                ids = engine.processor.apply_chat_template(conversation, request.add_generation_prompt,
+                                                           serving.chat.chat_template)
             elif request.prompt is not None:
                 ids = engine.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
             else:
@@ -202,13 +204,13 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
 async def serve(args: EngineArgs, host: str, port: int, data_parallel_size: int = 1,
                 served_model_name: list[str] | None = None, api_key: str | None = None,
                 uvicorn_log_level: str = "warning", trace_max_requests: int = 100,
-                max_num_waiting_requests: int | None = None) -> None:
+                max_num_waiting_requests: int | None = None, chat: ChatOptions | None = None) -> None:
     engine = AsyncLLM(args, data_parallel_size, served_model_name[0] if served_model_name else None,
                       trace_max_requests=trace_max_requests, max_num_waiting_requests=max_num_waiting_requests)
     names = served_model_name or [engine.served_model_name]
     try:
         await engine.start()
-        app = build_app(engine, names, api_key)
+        app = build_app(engine, names, api_key, chat)
         config = uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level,
                                 timeout_graceful_shutdown=5, access_log=False)
         server = uvicorn.Server(config)

@@ -3,11 +3,13 @@ request -> token ids and SamplingParams -> AsyncLLM -> JSON or SSE chunks."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
@@ -19,8 +21,12 @@ from lane.entrypoints.protocol import (ChatChoice, ChatCompletionChunk, ChatComp
                                        ChatCompletionResponse, ChatLogprobs, ChatLogprobToken,
                                        ChatResponseMessage, CompletionChoice,
                                        CompletionLogprobs, CompletionRequest, CompletionResponse,
-                                       ErrorInfo, ErrorResponse, SamplingRequest,
-                                       TopLogprob, UsageInfo)
+                                       ErrorInfo, ErrorResponse, FunctionCall, SamplingRequest,
+                                       ToolCallItem, TopLogprob, UsageInfo)
+from lane.entrypoints.tool_parsers import (REASONING_PARSERS, TOOL_PARSERS, NamedToolParser,
+                                           RequiredToolParser)
+from lane.entrypoints.tool_parsers.chat_output import ChatOutputParser
+from lane.entrypoints.tool_parsers.types import DeltaMessage
 from lane.outputs import CompletionOutput, RequestOutput
 from lane.sampling_params import ParamError, SamplingParams
 from lane.tracing import Step, tracer
@@ -124,30 +130,72 @@ def trace_chunk(request_id: str, start: float, index: int, choices: int) -> None
                       choices=choices)
 
 
+@dataclass
+class ChatOptions:
+    """The chat route's server flags, as vLLM spells them."""
+    chat_template: str | None = None  # --chat-template (its text): replaces the model's
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None  # a TOOL_PARSERS name
+    reasoning_parser: str | None = None  # a REASONING_PARSERS name
+
+
+def _last(seq: list[int], sub: list[int]) -> int:
+    """Where sub last starts in seq (-1: nowhere)."""
+    n = len(sub)
+    for i in range(len(seq) - n, -1, -1):
+        if n and seq[i:i + n] == sub:
+            return i
+    return -1
+
+
+def _delta_dict(d: DeltaMessage) -> dict:
+    out: dict[str, Any] = {}
+    if d.reasoning_content:
+        out["reasoning_content"] = d.reasoning_content
+    if d.content:
+        out["content"] = d.content
+    if d.tool_calls:
+        tcs = []
+        for tc in d.tool_calls:  # OpenAI's shape: id, type and name in a call's first delta only
+            item: dict[str, Any] = {"index": tc.index, "function": {"arguments": tc.arguments}}
+            if tc.name is not None:
+                item.update(id=tc.id, type="function")
+                item["function"]["name"] = tc.name
+            tcs.append(item)
+        out["tool_calls"] = tcs
+    return out
+
+
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, served_model_names: list[str]) -> None:
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str], chat: ChatOptions | None = None) -> None:
         self.engine = engine
         self.served_model_names = served_model_names
         self.tokenizer = engine.tokenizer
+        self.chat = chat or ChatOptions()
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.served_model_names:
             raise APIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
 
-    def _params(self, ids: list[int], request: SamplingRequest) -> SamplingParams:
+    def _params(self, ids: list[int], request: SamplingRequest,
+                adjust: Callable[[list[int], SamplingParams], SamplingParams] | None = None) -> SamplingParams:
         params = request.to_sampling_params(self.engine.max_model_len, len(ids))
+        if adjust is not None:
+            params = adjust(ids, params)
         self.engine.processor.validate(ids, params, strict_max_tokens=True)
         return params
 
     def _start(self, prefix: str, prompts: list[tuple[str | None, list[int]]], request: SamplingRequest,
-               raw_request: Request, t_entry: float) -> tuple[str, list[RequestStream], int]:
+               raw_request: Request, t_entry: float,
+               adjust: Callable[[list[int], SamplingParams], SamplingParams] | None = None,
+               ) -> tuple[str, list[RequestStream], int]:
         """Validate every prompt, then send them; returns (response id, handles, n)."""
         if request.ignored_fields:  # as vLLM: said, not silently dropped
             logger.warning("The following fields were present in the request but ignored: %s",
                            ", ".join(request.ignored_fields))
             self.engine.prometheus.record_ignored_fields(request.ignored_fields)
         try:
-            params = [self._params(ids, request) for _, ids in prompts]
+            params = [self._params(ids, request, adjust) for _, ids in prompts]
         except ValueError as e:
             raise bad_request(e) from None
         rid = f"{prefix}-{uuid.uuid4().hex}"
@@ -350,35 +398,98 @@ class OpenAIServing:
         yield "data: [DONE]\n\n"
 
     # -- /v1/chat/completions ------------------------------------------------------
+    def _output_parsers(self, request: ChatCompletionRequest, n: int) -> list[ChatOutputParser] | None:
+        """One parser per choice, when the output has reasoning or tool calls to split out;
+        None when it is all content (the plain path)."""
+        opts = self.chat
+        reasoning = None
+        if opts.reasoning_parser is not None:
+            cls = REASONING_PARSERS[opts.reasoning_parser]
+            reasoning = cls if cls.thinks(request.chat_template_kwargs) else None
+        tools: Callable | None = None
+        choice = request.tool_choice
+        if request.tools and choice != "none":
+            named, _ = request.forced_tool_schema()
+            if named is not None:
+                tools = lambda: NamedToolParser(named)  # noqa: E731
+            elif choice == "required":
+                tools = RequiredToolParser
+            else:  # auto
+                if not (opts.enable_auto_tool_choice and opts.tool_call_parser):
+                    raise ParamError("tool_choice", '"auto" tool choice requires --enable-auto-tool-choice and '
+                                                    "--tool-call-parser to be set")
+                tools = TOOL_PARSERS[opts.tool_call_parser]
+        if reasoning is None and tools is None:
+            return None
+        return [ChatOutputParser(reasoning() if reasoning else None, tools() if tools else None) for _ in range(n)]
+
+    def _chat_params(self, request: ChatCompletionRequest,
+                     parsers: list[ChatOutputParser] | None) -> Callable[[list[int], SamplingParams], SamplingParams]:
+        """What the chat route sets on a request's SamplingParams: special tokens kept for a
+        tool format written in them; structured outputs held until the reasoning ends."""
+        def adjust(prompt_ids: list[int], params: SamplingParams) -> SamplingParams:
+            if parsers is None:
+                return params
+            p = parsers[0]
+            if p.tools is not None and p.tools.keeps_special_tokens:
+                params.skip_special_tokens = False
+            so = params.structured_outputs
+            if p.reasoning is not None and so is not None:
+                end = self.tokenizer.encode(p.reasoning.end, add_special_tokens=False)
+                # a template that closes the thinking itself ends the prompt with the marker
+                # (V3.1's non-thinking mode); else the constraint waits for the model's (an
+                # earlier turn's </think> in the history does not count)
+                if _last(prompt_ids, end) < len(prompt_ids) - len(end) - 2:
+                    params.structured_outputs = dataclasses.replace(so, reasoning_end=end)
+            return params
+        return adjust
+
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request):
         t_entry = time.monotonic()
         self.check_model(request.model)
         try:
             conversation = request.conversation()
+            parsers = self._output_parsers(request, request.n)
+        except ParamError as e:
+            raise bad_request(e) from None
+        try:
             ids = self.engine.processor.apply_chat_template(
-                conversation, request.add_generation_prompt, request.chat_template)
+                conversation, request.add_generation_prompt, request.chat_template or self.chat.chat_template,
+                tools=request.tool_dicts(), chat_template_kwargs=request.chat_template_kwargs)
         except ParamError as e:
             raise bad_request(e) from None
         except Exception as e:  # a template that fails on these messages
             raise APIError(400, f"the chat template failed: {e}", "BadRequestError", "messages") from None
-        rid, handles, n = self._start("chatcmpl", [(None, ids)], request, raw_request, t_entry)
+        rid, handles, n = self._start("chatcmpl", [(None, ids)], request, raw_request, t_entry,
+                                      self._chat_params(request, parsers))
         model = request.model or self.served_model_names[0]
         num_lp = request.top_logprobs or 0
         if request.stream:
-            return StreamingResponse(self._stream_chat(rid, model, handles[0], n, request, num_lp),
+            return StreamingResponse(self._stream_chat(rid, model, handles[0], n, request, num_lp, parsers),
                                      media_type="text/event-stream", headers=self._headers(handles))
         finals = await self._finals(raw_request, handles)
         if finals is None:  # the client went away; its requests were aborted
             return None
-        choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                              finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                              logprobs=self._chat_logprobs(c, num_lp) if request.logprobs else None)
-                   for c in finals[0].outputs]
+        choices = []
+        for c in finals[0].outputs:
+            message, finish = ChatResponseMessage(content=c.text), c.finish_reason
+            if parsers is not None:
+                parsed = parsers[c.index].parse(c.text)
+                message = ChatResponseMessage(
+                    content=parsed.content, reasoning_content=parsed.reasoning_content,
+                    tool_calls=[ToolCallItem(id=tc.id, function=FunctionCall(name=tc.name, arguments=tc.arguments))
+                                for tc in parsed.tool_calls])
+                if parsed.tool_calls and finish == "stop":
+                    finish = "tool_calls"
+            choices.append(ChatChoice(index=c.index, message=message, finish_reason=finish,
+                                      stop_reason=c.stop_reason,
+                                      logprobs=self._chat_logprobs(c, num_lp) if request.logprobs else None))
         resp = ChatCompletionResponse(id=rid, model=model, choices=choices, usage=self._usage(finals))
         return self._respond(resp, request, finals, handles)
 
     async def _stream_chat(self, rid: str, model: str, handle: RequestStream, n: int,
-                           request: ChatCompletionRequest, num_lp: int) -> AsyncIterator[str]:
+                           request: ChatCompletionRequest, num_lp: int,
+                           parsers: list[ChatOutputParser] | None) -> AsyncIterator[str]:
         base = ChatCompletionChunk(id=rid, model=model, choices=[]).model_dump(exclude={"usage"})
         finished: set[int] = set()
         completion_tokens = 0
@@ -392,15 +503,25 @@ class OpenAIServing:
                 choices = []
                 for c in out.outputs:
                     completion_tokens += len(c.token_ids)
-                    if c.index in finished or (not c.text and c.finish_reason is None
-                                               and (not request.logprobs or not c.token_ids)):
+                    if c.index in finished:
                         continue
-                    if c.finish_reason is not None:
+                    finish = c.finish_reason
+                    if parsers is None:
+                        delta = {"content": c.text} if c.text or finish is not None or request.logprobs else {}
+                    else:
+                        p = parsers[c.index]
+                        d = p.delta(c.text, finish is not None)
+                        delta = _delta_dict(d) if d is not None else {}
+                        if finish == "stop" and p.called_tools:
+                            finish = "tool_calls"
+                    if not delta and finish is None and (not request.logprobs or not c.token_ids):
+                        continue
+                    if finish is not None:
                         finished.add(c.index)
                     choices.append({
-                        "index": c.index, "delta": {"content": c.text},
+                        "index": c.index, "delta": delta,
                         "logprobs": self._chat_logprobs(c, num_lp).model_dump() if request.logprobs else None,
-                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                        "finish_reason": finish, "stop_reason": c.stop_reason})
                 if choices:
                     t0 = time.monotonic()
                     chunk = sse({**base, "choices": choices})

@@ -2,6 +2,7 @@
 (top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids, data_parallel_rank...)."""
 from __future__ import annotations
 
+import json
 import time
 from typing import Annotated, Any, Literal
 
@@ -122,7 +123,7 @@ class SamplingRequest(OpenAIBaseModel):
         ParamError naming its field), or None."""
         from lane.structured_output import grammar_of
 
-        given: list[tuple[str, dict]] = []
+        given: list[tuple[str, dict]] = self._tool_constraint()
         rf = self.response_format
         if rf is not None and rf.type == "json_object":
             given.append(("response_format", {"json_object": True}))
@@ -149,6 +150,9 @@ class SamplingRequest(OpenAIBaseModel):
             raise ParamError(param, str(e)) from None
         grammar_of(params, param)  # refused here, before any compute
         return params
+
+    def _tool_constraint(self) -> list[tuple[str, dict]]:
+        return []
 
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         if self.stream_options is not None and not self.stream:
@@ -191,10 +195,45 @@ class ContentPart(OpenAIBaseModel):
     text: str | None = None
 
 
+class FunctionDefinition(OpenAIBaseModel):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatCompletionTool(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIBaseModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallItem(OpenAIBaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIBaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallItem] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    reasoning_content: str | None = None  # an assistant's earlier reasoning (vLLM's field)
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -216,11 +255,68 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. DeepSeek's {"thinking": true}
+    tools: list[ChatCompletionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
-    def conversation(self) -> list[dict[str, str]]:
+    def conversation(self) -> list[dict[str, Any]]:
+        """The messages as chat templates read them: an assistant's tool calls carry their
+        arguments as objects (templates write them with ``tojson``)."""
         if not self.messages:
             raise ParamError("messages", "messages must not be empty")
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        out = []
+        for i, m in enumerate(self.messages):
+            msg: dict[str, Any] = {"role": m.role, "content": m.text()}
+            if m.name is not None:
+                msg["name"] = m.name
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
+            if m.reasoning_content is not None:
+                msg["reasoning_content"] = m.reasoning_content
+            if m.tool_calls:
+                calls = []
+                for tc in m.tool_calls:
+                    try:
+                        args = json.loads(tc.function.arguments)
+                    except ValueError:
+                        raise ParamError("messages", f"messages[{i}].tool_calls: the arguments of "
+                                                     f"{tc.function.name!r} are not JSON") from None
+                    calls.append({"id": tc.id, "type": "function",
+                                  "function": {"name": tc.function.name, "arguments": args}})
+                msg["tool_calls"] = calls
+            out.append(msg)
+        return out
+
+    def tool_dicts(self) -> list[dict] | None:
+        """The tools as chat templates read them (None: no tools, or tool_choice none where
+        the template is not told)."""
+        if not self.tools:
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def _tool_constraint(self) -> list[tuple[str, dict]]:
+        _, schema = self.forced_tool_schema()
+        return [] if schema is None else [("tool_choice", {"json": schema})]
+
+    def forced_tool_schema(self) -> tuple[str | None, dict | None]:
+        """tool_choice required or a named function: (the name or None for required, the JSON
+        schema its output must match); (None, None) otherwise."""
+        from lane.entrypoints.tool_parsers import required_schema
+
+        choice = self.tool_choice
+        if choice is None or choice in ("none", "auto"):
+            return None, None
+        if not self.tools:
+            raise ParamError("tool_choice", f"tool_choice {_choice_name(choice)} needs tools")
+        functions = [t.function for t in self.tools]
+        if isinstance(choice, NamedToolChoice):
+            f = next((f for f in functions if f.name == choice.function.name), None)
+            if f is None:
+                raise ParamError("tool_choice", f"tool_choice names {choice.function.name!r}, which is not "
+                                                f"among the tools ({', '.join(f.name for f in functions)})")
+            return f.name, f.parameters or {"type": "object"}
+        return None, required_schema([f.model_dump(exclude_none=True) for f in functions], self.parallel_tool_calls)
 
     def to_sampling_params(self, max_model_len: int, num_prompt_tokens: int) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
@@ -229,6 +325,10 @@ class ChatCompletionRequest(SamplingRequest):
         if max_tokens is None:
             max_tokens = max(max_model_len - num_prompt_tokens, 1)
         return self._sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+
+
+def _choice_name(choice) -> str:
+    return repr(choice) if isinstance(choice, str) else f"function {choice.function.name!r}"
 
 
 # -- responses -------------------------------------------------------------------
@@ -274,6 +374,8 @@ class ChatLogprobs(OpenAIBaseModel):
 class ChatResponseMessage(OpenAIBaseModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallItem] = Field(default_factory=list)
 
 
 class ChatChoice(OpenAIBaseModel):
