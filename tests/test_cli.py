@@ -53,6 +53,10 @@ def test_bad_input_is_a_clear_error(args, needle):
     (["--model", "/no/such/model"], "does not exist"),
     (["--max-model-len", "100000"], "--max-model-len"),
     (["/no/such/dir", "--model", "/other"], "either as MODEL or as --model"),
+    (["--enable-auto-tool-choice"], "--tool-call-parser"),
+    (["--tool-call-parser", "nope"], "--tool-call-parser"),
+    (["--chat-template", "/no/such.jinja"], "--chat-template"),
+    (["--chat-template", "{% if %}"], "--chat-template"),
 ])
 def test_serve_bad_flags_are_clear_errors(args, needle):
     r = run("serve", *args, timeout=120)

@@ -117,6 +117,31 @@ def cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     return 0
 
 
+def chat_options(args: argparse.Namespace, parser: argparse.ArgumentParser):
+    """The chat route's flags, checked: a template file that exists and parses, parser names
+    that exist, auto tool choice with its parser."""
+    from lane.entrypoints.openai_serving import ChatOptions
+
+    template = None
+    if args.chat_template is not None:
+        if os.path.isfile(args.chat_template):
+            with open(args.chat_template, encoding="utf-8") as f:
+                template = f.read()
+        elif "{{" in args.chat_template or "{%" in args.chat_template:  # given inline, as vLLM allows
+            template = args.chat_template
+        else:
+            parser.error(f"--chat-template {args.chat_template!r} is not a file (nor a Jinja template)")
+        try:
+            import jinja2
+
+            jinja2.Environment().parse(template)
+        except jinja2.TemplateSyntaxError as e:
+            parser.error(f"--chat-template: not a valid Jinja template: {e}")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        parser.error("--enable-auto-tool-choice needs --tool-call-parser (e.g. hermes, deepseek_v3)")
+    return ChatOptions(template, args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser)
+
+
 def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import asyncio
 
@@ -151,11 +176,12 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     # uvicorn traps SIGTERM, drains, then re-raises it at the handler found before it:
     # make that one an orderly exit, so serve() still stops the engine processes
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    chat = chat_options(args, parser)
     try:
         asyncio.run(serve(eargs, args.host, args.port, data_parallel_size=args.data_parallel_size,
                           served_model_name=args.served_model_name, api_key=api_key,
                           trace_max_requests=args.trace_max_requests,
-                          max_num_waiting_requests=args.max_num_waiting_requests))
+                          max_num_waiting_requests=args.max_num_waiting_requests, chat=chat))
     except KeyboardInterrupt:
         pass
     except EngineArgsError as e:  # a bad --model or --max-model-len, found while the engines start
@@ -246,6 +272,17 @@ def main(argv: list[str] | None = None) -> int:
                      help="record every request's steps (GET /v1/traces/ID, lane trace)")
     srv.add_argument("--trace-layers", action="store_true", help="with --trace: one span per layer, not per forward")
     srv.add_argument("--trace-max-requests", type=int, default=100, help="with --trace: traces kept")
+    from lane.entrypoints.tool_parsers import REASONING_PARSERS, TOOL_PARSERS
+
+    c = srv.add_argument_group("chat")
+    c.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template (a file, or the template itself) used instead of the model's")
+    c.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='tool_choice "auto": the model decides to call tools, --tool-call-parser reads its calls')
+    c.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                   help="the model's tool-call format")
+    c.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                   help="split the model's thinking into reasoning_content")
     add_engine_args(srv)
 
     from lane.bench.benchmark import add_cli_args as add_bench_args
