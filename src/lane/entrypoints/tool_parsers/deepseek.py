@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import re
 
-from lane.entrypoints.tool_parsers.types import PartialCall, ToolParser, held_back
+from lane.entrypoints.tool_parsers.types import PartialCall, ToolParser, scan_between
 
 CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
 CALL_BEGIN, SEP, CALL_END = "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>"
@@ -29,20 +29,7 @@ class _DeepSeekCalls(ToolParser):
         raise NotImplementedError
 
     def scan(self, text: str) -> list[PartialCall]:
-        calls, pos = [], 0
-        while (pos := text.find(CALL_BEGIN, pos)) >= 0:
-            seg_start = pos + len(CALL_BEGIN)
-            close = text.find(CALL_END, seg_start)
-            closed = close >= 0
-            seg = text[seg_start:close] if closed else text[seg_start:len(text) - held_back(text, CALL_END)]
-            call = self.call(seg, closed)
-            if call is None:
-                return calls + [PartialCall(None, "", True)]
-            calls.append(call)
-            if not closed:
-                break
-            pos = close + len(CALL_END)
-        return calls
+        return scan_between(text, CALL_BEGIN, CALL_END, self.call)
 
 
 def _args(raw: str, closed: bool) -> str | None:

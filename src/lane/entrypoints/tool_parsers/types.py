@@ -7,6 +7,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
+from typing import Callable
 
 
 def tool_call_id() -> str:
@@ -54,6 +55,27 @@ def held_back(text: str, marker: str) -> int:
 
 
 _NAME = re.compile(r'"name"\s*:\s*("(?:[^"\\]|\\.)*")')
+
+
+def scan_between(text: str, begin: str, end: str,
+                 parse: Callable[[str, bool], PartialCall | None]) -> list[PartialCall]:
+    """The calls in ``text``, each between ``begin`` and ``end``, parsed by ``parse(body,
+    closed)``; the last may be open (its body so far, less what could begin ``end``). A closed
+    body that does not parse ends the scan with a failed call: the output is not a tool call."""
+    calls, pos = [], 0
+    while (pos := text.find(begin, pos)) >= 0:
+        body_start = pos + len(begin)
+        close = text.find(end, body_start)
+        closed = close >= 0
+        body = text[body_start:close] if closed else text[body_start:len(text) - held_back(text, end)]
+        call = parse(body, closed)
+        if call is None:
+            return calls + [PartialCall(None, "", True)]
+        calls.append(call)
+        if not closed:
+            break
+        pos = close + len(end)
+    return calls
 
 
 def named_object(body: str, closed: bool, args_key: str) -> PartialCall | None:
