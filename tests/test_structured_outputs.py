@@ -82,6 +82,17 @@ def test_regex_choice_json_object_and_free_neighbours(llm):
         assert free.text == free_alone[i]  # float32 greedy: the batch changes nothing
 
 
+def test_a_complete_grammar_ends_the_answer_despite_min_tokens(llm):
+    """min_tokens masks EOS; a grammar that allows only stopping must still win (else a token it
+    forbids is sampled), greedy or not, and the answer ends with the grammar."""
+    for temperature in (0, 1.0):
+        out = llm.generate([chat(llm, "Is the sky blue?")], SamplingParams(
+            temperature=temperature, seed=3, max_tokens=20, min_tokens=10,
+            structured_outputs=SO(choice=["yes", "no"])), use_tqdm=False)[0].outputs[0]
+        assert out.text in ("yes", "no"), out.text
+        assert out.finish_reason == "stop"
+
+
 def test_a_compiling_grammar_holds_back_only_its_request(smollm_gguf):
     """The compile thread is kept busy: the constrained request waits, the free one decodes;
     once the thread is free the constrained one runs and its output matches."""

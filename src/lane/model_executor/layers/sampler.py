@@ -112,10 +112,14 @@ def target_distribution(logits: torch.Tensor, md: SamplingMetadata) -> tuple[tor
     if md.repetition_penalty is not None or md.frequency_penalty is not None \
             or md.presence_penalty is not None:
         logits = apply_penalties(logits, md)
-    for row, ids in md.masked_token_ids.items():
-        logits[row, ids] = float("-inf")
-    if md.bitmask is not None:
+    constrained = set(md.bitmask_rows) if md.bitmask is not None else set()
+    if constrained:
         apply_token_bitmask(logits, md.bitmask_rows, md.bitmask)
+    for row, ids in md.masked_token_ids.items():
+        kept = logits[row, ids].clone() if row in constrained else None
+        logits[row, ids] = float("-inf")
+        if kept is not None and logits[row].max() < -_FORBIDDEN / 2:
+            logits[row, ids] = kept  # its grammar allows only stopping: the grammar wins over min_tokens
     greedy = cpu_kernels.argmax_rows(logits)
     if md.all_greedy:
         return greedy, None
