@@ -7,6 +7,7 @@ reasoning goes to reasoning_content and a response_format applies after it."""
 import json
 import os
 
+import httpx2 as httpx
 import jsonschema
 import openai
 import pytest
@@ -112,6 +113,9 @@ def test_auto_tool_choice_parses_the_models_calls(server):
     r = c.chat.completions.create(**kw, tool_choice="none")
     assert r.choices[0].message.tool_calls == [] and "<tool_call>" in r.choices[0].message.content
     assert r.choices[0].finish_reason == "stop"
+    # /tokenize renders the tools the same way a chat completion does
+    tok = httpx.post(server.url + "/tokenize", json={"messages": kw["messages"], "tools": TOOLS}).json()
+    assert tok["count"] == r.usage.prompt_tokens and "<tools>" in "".join(tok["token_strs"])
 
 
 def _think_shots(question: str) -> list[dict]:

@@ -177,9 +177,10 @@ def build_app(engine: AsyncLLM, served_model_names: list[str], api_key: str | No
         serving.check_model(request.model)
         try:
             if request.messages is not None:
-                conversation = ChatCompletionRequest(messages=request.messages).conversation()
-                ids = engine.processor.apply_chat_template(conversation, request.add_generation_prompt,
-                                                           serving.chat.chat_template)
+                chat = ChatCompletionRequest(messages=request.messages, tools=request.tools)
+                ids = engine.processor.apply_chat_template(chat.conversation(), request.add_generation_prompt,
+                                                           serving.chat.chat_template, chat.tool_dicts(),
+                                                           request.chat_template_kwargs)
             elif request.prompt is not None:
                 ids = engine.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
             else:

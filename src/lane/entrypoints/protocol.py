@@ -413,6 +413,9 @@ class TokenizeRequest(OpenAIBaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    # with messages, as a chat completion renders them (vLLM's /tokenize takes the same)
+    tools: list[ChatCompletionTool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(OpenAIBaseModel):
