@@ -9,6 +9,11 @@
    joins mid-way, with a never-seen schema or the warm one (alternated, 3 each, medians). Its
    TTFT, and the 31 others' P99 inter-token latency, one against the other (target: within
    15 %).
+4. Tool calls (the server runs examples/tool_chat_template_hermes.jinja with the hermes
+   parser), all with the same two tools in the prompt: 32 ``tool_choice="required"`` requests
+   (held to the tools' schema) against the same 32 with ``"none"`` (free text); and 32
+   ``"auto"`` against ``"none"`` -- the same prompt and greedy tokens, so their ratio is what
+   the streaming tool parser costs.
 
     python benchmarks/structured.py [--concurrency 32] [--max-tokens 64] [--rounds 2]
 
@@ -32,6 +37,9 @@ from offline_throughput import check_quiet  # noqa: E402
 from peers import free_port  # noqa: E402
 from serving import pct, stop, wait_ready  # noqa: E402
 
+TEMPLATE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples",
+                        "tool_chat_template_hermes.jinja")
+
 
 def person_schema(tag: str = "") -> dict:
     return {"type": "object", "additionalProperties": False,
@@ -45,9 +53,15 @@ def person_schema(tag: str = "") -> dict:
 TOPICS = ["a nurse", "a pilot", "a painter", "a chef", "a teacher", "a coder", "a farmer", "a doctor"]
 
 
-async def one(client, model: str, i: int, max_tokens: int, schema: dict | None) -> dict:
+TOOLS = [{"type": "function", "function": {
+    "name": "record_person", "description": "Store a person's profile.", "parameters": person_schema()}},
+    {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                      "parameters": {"type": "object", "required": ["city"],
+                                                     "properties": {"city": {"type": "string"}}}}}]
+
+
+async def one(client, model: str, i: int, max_tokens: int, schema: dict | None, **kw) -> dict:
     """Streams one request: its TTFT, inter-token gaps and output tokens (usage)."""
-    kw = {}
     if schema is not None:
         kw["response_format"] = {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}
     t0 = time.perf_counter()
@@ -56,7 +70,7 @@ async def one(client, model: str, i: int, max_tokens: int, schema: dict | None) 
         model=model, messages=[{"role": "user", "content": f"Describe {TOPICS[i % len(TOPICS)]} as JSON."}],
         max_tokens=max_tokens, temperature=0, stream=True, stream_options={"include_usage": True}, **kw)
     async for ch in stream:
-        if ch.choices and ch.choices[0].delta.content:
+        if ch.choices and (ch.choices[0].delta.content or ch.choices[0].delta.tool_calls):
             times.append(time.perf_counter())
         if ch.usage is not None:
             tokens = ch.usage.completion_tokens
@@ -64,12 +78,13 @@ async def one(client, model: str, i: int, max_tokens: int, schema: dict | None) 
             "tokens": tokens, "end": time.perf_counter()}
 
 
-async def batch(client, model, n, max_tokens, schema) -> tuple[float, float]:
+async def batch(client, model, n, max_tokens, schema, **kw) -> tuple[float, float]:
     """(output tok/s of the batch, mean per-request decode tok/s). The second is like for like:
     constrained answers end when their JSON does, so the batch's tail thins out."""
     t0 = time.perf_counter()
-    res = await asyncio.gather(*(one(client, model, i, max_tokens, schema) for i in range(n)))
-    per_request = [len(r["gaps"]) / sum(r["gaps"]) for r in res if r["gaps"]]
+    res = await asyncio.gather(*(one(client, model, i, max_tokens, schema, **kw) for i in range(n)))
+    # tokens after the first chunk over the time after it (a tool-call stream's chunks may hold several)
+    per_request = [(r["tokens"] - 1) / sum(r["gaps"]) for r in res if r["gaps"] and r["tokens"] > 1]
     return sum(r["tokens"] for r in res) / (time.perf_counter() - t0), sum(per_request) / len(per_request)
 
 
@@ -122,7 +137,8 @@ def main() -> None:
     url = f"http://127.0.0.1:{port}"
     log = tempfile.NamedTemporaryFile("w+", prefix="lane-structured-", suffix=".log", delete=False)
     proc = subprocess.Popen([sys.executable, "-m", "lane.entrypoints.cli", "serve", "--port", str(port),
-                             "--max-num-seqs", str(args.concurrency)], stdout=log, stderr=subprocess.STDOUT)
+                             "--max-num-seqs", str(args.concurrency),
+                             "--chat-template", TEMPLATE, "--enable-auto-tool-choice", "--tool-call-parser", "hermes"], stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_ready(url, proc, "lane", 300, log.name)
         client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
@@ -139,9 +155,14 @@ def main() -> None:
             for r in range(3):  # alternated: a never-seen schema each time, or the warm one
                 warm.append(await newcomer(client, model, n, mt, person_schema(), person_schema()))
                 new.append(await newcomer(client, model, n, mt, person_schema(), person_schema(f"_new{r}")))
-            return free, constrained, warm, new
+            tools = {"required": [], "auto": [], "none": []}
+            await batch(client, model, n, mt, None, tools=TOOLS, tool_choice="required")  # its compile
+            for _ in range(args.rounds):
+                for choice, runs in tools.items():
+                    runs.append(await batch(client, model, n, mt, None, tools=TOOLS, tool_choice=choice))
+            return free, constrained, warm, new, tools
 
-        free, constrained, warm, new = asyncio.run(run_all())
+        free, constrained, warm, new, tools = asyncio.run(run_all())
     finally:
         stop(proc)
 
@@ -160,12 +181,19 @@ def main() -> None:
         "ttft_ms_warm_schema": round(ttft["warm"], 1), "ttft_ms_new_schema": round(ttft["new"], 1),
         "others_p99_itl_ms_warm": round(p99["warm"], 1), "others_p99_itl_ms_new": round(p99["new"], 1),
         "others_p99_itl_ratio": round(p99["new"] / p99["warm"], 3),
+        "tool_required_ratio": round(max(t for t, _ in tools["required"]) / max(t for t, _ in tools["none"]), 3),
+        "tool_required_per_request_ratio": round(max(r for _, r in tools["required"])
+                                                 / max(r for _, r in tools["none"]), 3),
+        "tool_auto_vs_none_ratio": round(max(t for t, _ in tools["auto"]) / max(t for t, _ in tools["none"]), 3),
     }
     print(f"\n{args.concurrency} concurrent, max_tokens {args.max_tokens}: output tok/s free {res['output_tok_s_free']}, "
           f"JSON schema {res['output_tok_s_json_schema']} ({res['ratio']}x; per-request decode rate "
           f"{res['per_request_decode_ratio']}x)")
     print(f"a new schema's own TTFT {res['ttft_ms_new_schema']} ms (warm schema: {res['ttft_ms_warm_schema']} ms); "
           f"the others' P99 ITL {res['others_p99_itl_ms_new']} ms (without it: {res['others_p99_itl_ms_warm']} ms)")
+    print(f"tool_choice required: {res['tool_required_ratio']}x none's output tok/s (per request "
+          f"{res['tool_required_per_request_ratio']}x); auto (hermes parser) against none, same tokens: "
+          f"{res['tool_auto_vs_none_ratio']}x")
     print(json.dumps(res))
 
 
