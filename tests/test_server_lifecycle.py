@@ -3,6 +3,7 @@ SIGTERM."""
 import asyncio
 import json
 import os
+import re
 import signal
 import time
 
@@ -54,6 +55,14 @@ def test_data_parallel_spreads_requests_and_keeps_outputs(lane_smollm_fp32):
         r = httpx.post(s.url + "/v1/completions", headers={"Authorization": "Bearer sekrit"},
                        json={"prompt": "hi", "data_parallel_rank": 2})
         assert r.status_code == 400 and r.json()["error"]["param"] == "data_parallel_rank"
+        # structured outputs on either replica (each compiles its own grammars), n = 2
+        for rank in (0, 1):
+            r = c.completions.with_raw_response.create(
+                model=c.models.list().data[0].id, prompt="The war ended in the year", max_tokens=8, n=2,
+                temperature=1.0, seed=rank, extra_body={"data_parallel_rank": rank, "guided_regex": r" 1[5-9]\d\d"})
+            assert r.headers["x-data-parallel-rank"] == str(rank)
+            texts = [ch.text for ch in r.parse().choices]
+            assert len(texts) == 2 and all(re.fullmatch(r" 1[5-9]\d\d", t) for t in texts), texts
 
 
 def test_engine_death_fails_requests_and_health_then_sigterm_is_clean():

@@ -82,6 +82,29 @@ def test_regex_choice_json_object_and_free_neighbours(llm):
         assert free.text == free_alone[i]  # float32 greedy: the batch changes nothing
 
 
+def test_chunked_prefill_prefix_cache_and_n_keep_the_constraint(llm, smollm_gguf):
+    """A prompt prefilled in 16-token chunks, then served again from the prefix cache, gives the
+    same greedy JSON as one whole prefill (float32); n = 3 sampled choices each validate."""
+    story = " ".join(f"{t} met {u} at the market and they talked about the weather."
+                     for t, u in zip(TOPICS, TOPICS[1:8]))
+    prompt = chat(llm, story + " Describe the first person as a JSON object.")
+    assert len(prompt["prompt_token_ids"]) > 100
+    sp = SamplingParams(temperature=0, max_tokens=120, structured_outputs=SO(json=PERSON))
+    want = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0].text
+    jsonschema.validate(json.loads(want), PERSON)
+    chunked = LLM(smollm_gguf, dtype="float32", quantization="none", kv_cache_memory_bytes=64 << 20,
+                  max_model_len=1024, max_num_batched_tokens=16, show_progress=False)
+    first = chunked.generate([prompt], sp, use_tqdm=False)[0]
+    assert first.outputs[0].text == want and first.num_cached_tokens == 0
+    again, sampled = chunked.generate([prompt, prompt], [sp, SamplingParams(
+        n=3, temperature=1.0, seed=5, max_tokens=120, structured_outputs=SO(json=PERSON))], use_tqdm=False)
+    assert again.outputs[0].text == want and again.num_cached_tokens >= 96  # whole blocks of the prompt
+    assert len(sampled.outputs) == 3
+    for c in sampled.outputs:
+        assert c.finish_reason == "stop", c.text
+        jsonschema.validate(json.loads(c.text), PERSON)
+
+
 def test_a_complete_grammar_ends_the_answer_despite_min_tokens(llm):
     """min_tokens masks EOS; a grammar that allows only stopping must still win (else a token it
     forbids is sampled), greedy or not, and the answer ends with the grammar."""
@@ -124,12 +147,8 @@ def test_a_compiling_grammar_holds_back_only_its_request(smollm_gguf):
 
 
 @pytest.fixture(scope="module")
-def server():
-    from utils import RemoteServer
-
-    with RemoteServer(["--dtype", "float32", "--quantization", "none", "--kv-cache-memory-bytes", "128M",
-                       "--max-model-len", "1024"]) as s:
-        yield s
+def server(plain_server):
+    return plain_server
 
 
 def test_openai_parse_and_streaming(server):
