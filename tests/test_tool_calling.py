@@ -6,6 +6,7 @@ the model writes (a few-shot history with tool messages, rendered by the templat
 reasoning goes to reasoning_content and a response_format applies after it."""
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx2 as httpx
 import jsonschema
@@ -61,26 +62,31 @@ def _streamed_calls(stream) -> tuple[str, list[dict], str]:
 def test_named_and_required_tool_choice_give_valid_arguments(server):
     c = server.client()
     named = {"type": "function", "function": {"name": "get_weather"}}
-    for city in CITIES:
-        msgs = [{"role": "user", "content": f"How is the weather in {city} right now?"}]
-        for choice, parallel in ((named, True), ("required", False), ("required", True)):
-            kw = dict(model=server.model, messages=msgs, tools=TOOLS, tool_choice=choice, temperature=0,
-                      max_tokens=120, parallel_tool_calls=parallel)
-            r = c.chat.completions.create(**kw)
-            ch = r.choices[0]
-            assert ch.finish_reason == "tool_calls", ch
-            calls = ch.message.tool_calls
-            assert calls and (len(calls) == 1 or parallel)
-            if choice is named:
-                assert [tc.function.name for tc in calls] == ["get_weather"]
-            for tc in calls:
-                assert tc.id.startswith("call_") and tc.type == "function"
-                jsonschema.validate(json.loads(tc.function.arguments), SCHEMAS[tc.function.name])
-            if city == CITIES[0]:  # streamed: the same calls, in OpenAI's deltas
-                content, streamed, finish = _streamed_calls(c.chat.completions.create(**kw, stream=True))
-                assert finish == "tool_calls" and not content
-                assert [(s["name"], json.loads(s["arguments"])) for s in streamed] == \
-                    [(tc.function.name, json.loads(tc.function.arguments)) for tc in calls]
+    cases = [(city, choice, parallel) for city in CITIES
+             for choice, parallel in ((named, True), ("required", False), ("required", True))]
+
+    def kw(city, choice, parallel):
+        return dict(model=server.model, messages=[{"role": "user", "content": f"How is the weather in {city} right now?"}],
+                    tools=TOOLS, tool_choice=choice, temperature=0, max_tokens=120, parallel_tool_calls=parallel)
+
+    with ThreadPoolExecutor(len(cases)) as pool:  # one batch: float32 greedy, the batch changes nothing
+        answers = list(pool.map(lambda case: c.chat.completions.create(**kw(*case)), cases))
+        streamed = list(pool.map(lambda case: _streamed_calls(c.chat.completions.create(**kw(*case), stream=True)),
+                                 cases[:3]))
+    for (city, choice, parallel), r in zip(cases, answers):
+        ch = r.choices[0]
+        assert ch.finish_reason == "tool_calls", ch
+        calls = ch.message.tool_calls
+        assert calls and (len(calls) == 1 or parallel)
+        if choice is named:
+            assert [tc.function.name for tc in calls] == ["get_weather"]
+        for tc in calls:
+            assert tc.id.startswith("call_") and tc.type == "function"
+            jsonschema.validate(json.loads(tc.function.arguments), SCHEMAS[tc.function.name])
+    for r, (content, calls, finish) in zip(answers, streamed):  # the same calls, in OpenAI's deltas
+        assert finish == "tool_calls" and not content
+        assert [(s["name"], json.loads(s["arguments"])) for s in calls] == \
+            [(tc.function.name, json.loads(tc.function.arguments)) for tc in r.choices[0].message.tool_calls]
 
 
 def _few_shot(question: str) -> list[dict]:
@@ -100,17 +106,20 @@ def test_auto_tool_choice_parses_the_models_calls(server):
     c = server.client()
     kw = dict(model=server.model, messages=_few_shot("What's the weather in Paris?"), tools=TOOLS,
               temperature=0, max_tokens=60)
-    r = c.chat.completions.create(**kw)  # tool_choice defaults to auto with tools
-    ch = r.choices[0]
+    with ThreadPoolExecutor(3) as pool:  # auto (the default with tools), streamed, and none: one batch
+        auto = pool.submit(c.chat.completions.create, **kw)
+        stream = pool.submit(lambda: _streamed_calls(c.chat.completions.create(**kw, stream=True)))
+        none = pool.submit(c.chat.completions.create, **kw, tool_choice="none")
+    ch = auto.result().choices[0]
     assert ch.finish_reason == "tool_calls" and ch.message.content is None, ch
     assert [(tc.function.name, json.loads(tc.function.arguments)) for tc in ch.message.tool_calls] == \
         [("get_weather", {"city": "Paris", "unit": "celsius"})]
-    content, streamed, finish = _streamed_calls(c.chat.completions.create(**kw, stream=True))
+    content, streamed, finish = stream.result()
     assert finish == "tool_calls" and content.strip() == ""
     assert [(s["name"], json.loads(s["arguments"])) for s in streamed] == [("get_weather", {"city": "Paris",
                                                                                             "unit": "celsius"})]
     # tool_choice none: the same model output stays text
-    r = c.chat.completions.create(**kw, tool_choice="none")
+    r = none.result()
     assert r.choices[0].message.tool_calls == [] and "<tool_call>" in r.choices[0].message.content
     assert r.choices[0].finish_reason == "stop"
     # /tokenize renders the tools the same way a chat completion does
@@ -131,26 +140,34 @@ def test_reasoning_content_then_structured_output(server):
     c = server.client()
     msgs = _think_shots("What is the capital of France?")
     think = {"chat_template_kwargs": {"thinking": True}}
-    free = c.chat.completions.create(model=server.model, messages=msgs, temperature=0, max_tokens=60,
-                                     extra_body=think).choices[0].message
-    assert free.reasoning_content == "The capital of France is Paris." and free.content == "Paris"
-    # without thinking turned on (deepseek_v3's switch), it is all content
-    plain = c.chat.completions.create(model=server.model, messages=msgs, temperature=0, max_tokens=60)
-    assert plain.choices[0].message.content.startswith("<think>")
-    # a schema applies after </think>: the reasoning is the free one, the answer is JSON
     schema = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 20}},
               "required": ["answer"], "additionalProperties": False}
     rf = {"type": "json_schema", "json_schema": {"name": "Answer", "schema": schema}}
     kw = dict(model=server.model, messages=msgs, temperature=0, max_tokens=60, response_format=rf, extra_body=think)
-    m = c.chat.completions.create(**kw).choices[0].message
+
+    def streamed():
+        reasoning = content = ""
+        for chunk in c.chat.completions.create(**kw, stream=True):
+            if chunk.choices:
+                reasoning += getattr(chunk.choices[0].delta, "reasoning_content", None) or ""
+                content += chunk.choices[0].delta.content or ""
+        return reasoning, content
+
+    with ThreadPoolExecutor(4) as pool:  # one batch (float32 greedy: it changes nothing)
+        free = pool.submit(c.chat.completions.create, model=server.model, messages=msgs, temperature=0,
+                           max_tokens=60, extra_body=think)
+        plain = pool.submit(c.chat.completions.create, model=server.model, messages=msgs, temperature=0, max_tokens=60)
+        constrained = pool.submit(c.chat.completions.create, **kw)
+        stream = pool.submit(streamed)
+    free = free.result().choices[0].message
+    assert free.reasoning_content == "The capital of France is Paris." and free.content == "Paris"
+    # without thinking turned on (deepseek_v3's switch), it is all content
+    assert plain.result().choices[0].message.content.startswith("<think>")
+    # a schema applies after </think>: the reasoning is the free one, the answer is JSON
+    m = constrained.result().choices[0].message
     assert m.reasoning_content == free.reasoning_content
     jsonschema.validate(json.loads(m.content), schema)
-    reasoning = content = ""
-    for chunk in c.chat.completions.create(**kw, stream=True):
-        if chunk.choices:
-            reasoning += getattr(chunk.choices[0].delta, "reasoning_content", None) or ""
-            content += chunk.choices[0].delta.content or ""
-    assert (reasoning, content) == (m.reasoning_content, m.content)
+    assert stream.result() == (m.reasoning_content, m.content)
 
 
 @pytest.mark.parametrize("body,param", [
