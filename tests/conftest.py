@@ -34,6 +34,20 @@ def hf_smollm(smollm_gguf):
     return model.eval()
 
 
+# `lane serve` on the embedded SmolLM2 in float32 with no special flags, shared by the tests
+# that leave it as they found it (one server start, ~12 s on a slow VM, instead of one a file)
+PLAIN_SERVER_ARGS = ["--dtype", "float32", "--quantization", "none", "--kv-cache-memory-bytes", "256M",
+                     "--max-model-len", "2048", "--served-model-name", "smollm"]
+
+
+@pytest.fixture(scope="session")
+def plain_server():
+    from utils import RemoteServer
+
+    with RemoteServer(PLAIN_SERVER_ARGS) as s:
+        yield s
+
+
 @pytest.fixture(scope="session")
 def lane_smollm_fp32(smollm_gguf):
     from lane import LLM

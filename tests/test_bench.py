@@ -9,7 +9,7 @@ import time
 import httpx2 as httpx
 import pytest
 
-from utils import RemoteServer, free_port
+from utils import free_port
 
 LANE = [sys.executable, "-m", "lane.entrypoints.cli"]
 FAKE = os.path.join(os.path.dirname(__file__), "fake_openai_server.py")
@@ -131,20 +131,20 @@ def test_unreachable_server_is_a_clear_error():
     assert r.returncode == 1 and "cannot reach" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_against_lane_serve(tmp_path):
+def test_against_lane_serve(tmp_path, plain_server):
     import matplotlib.image
 
-    with RemoteServer(["--dtype", "float32", "--kv-cache-memory-bytes", "128M", "--max-model-len", "1024"]) as s:
-        common = ["--base-url", s.url, "--num-prompts", "8", "--max-concurrency", "4", "--ignore-eos"]
-        r = bench(*common, "--dataset-name", "random", "--random-input-len", "64", "--random-output-len", "8",
-                  "--result-dir", str(tmp_path / "random"))
-        assert r.returncode == 0, r.stderr
-        rnd = json.loads((tmp_path / "random" / "summary.json").read_text())
-        r = bench(*common, "--dataset-name", "prefix", "--prefix-repetition-num-prefixes", "2",
-                  "--prefix-repetition-prefix-len", "64", "--prefix-repetition-suffix-len", "16",
-                  "--prefix-repetition-output-len", "8", "--result-dir", str(tmp_path / "prefix"))
-        assert r.returncode == 0, r.stderr
-        pre = json.loads((tmp_path / "prefix" / "summary.json").read_text())
+    # the shared server: lane bench reads its counters as this run's deltas
+    common = ["--base-url", plain_server.url, "--num-prompts", "8", "--max-concurrency", "4", "--ignore-eos"]
+    r = bench(*common, "--dataset-name", "random", "--random-input-len", "64", "--random-output-len", "8",
+              "--result-dir", str(tmp_path / "random"))
+    assert r.returncode == 0, r.stderr
+    rnd = json.loads((tmp_path / "random" / "summary.json").read_text())
+    r = bench(*common, "--dataset-name", "prefix", "--prefix-repetition-num-prefixes", "2",
+              "--prefix-repetition-prefix-len", "64", "--prefix-repetition-suffix-len", "16",
+              "--prefix-repetition-output-len", "8", "--result-dir", str(tmp_path / "prefix"))
+    assert r.returncode == 0, r.stderr
+    pre = json.loads((tmp_path / "prefix" / "summary.json").read_text())
     for s in (rnd, pre):
         assert s["completed"] == 8 and s["failed"] == 0 and s["total_output_tokens"] == 64
         for key in ("duration", "request_throughput", "output_throughput", "total_token_throughput",

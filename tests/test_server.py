@@ -9,17 +9,14 @@ import pytest
 
 from lane import SamplingParams
 from conftest import PROMPTS
-from utils import RemoteServer, metric
+from utils import metric
 
-MODEL = "smollm"
-SERVER_ARGS = ["--dtype", "float32", "--quantization", "none", "--kv-cache-memory-bytes", "256M", "--max-model-len", "2048",
-               "--served-model-name", MODEL]
+MODEL = "smollm"  # conftest's plain_server
 
 
 @pytest.fixture(scope="module")
-def server():
-    with RemoteServer(SERVER_ARGS) as s:
-        yield s
+def server(plain_server):
+    return plain_server
 
 
 @pytest.fixture(scope="module")

@@ -134,10 +134,9 @@ def test_trace_html_in_headless_chromium(traces):
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20000
 
 
-def test_trace_without_tracing_is_a_clear_error(tmp_path):
-    with RemoteServer(["--dtype", "float32", "--kv-cache-memory-bytes", "64M", "--max-model-len", "512"]) as s:
-        r = subprocess.run([*LANE, "trace", "--base-url", s.url, "hello", "--max-tokens", "2",
-                            "--output-dir", str(tmp_path)], capture_output=True, text=True, timeout=120)
+def test_trace_without_tracing_is_a_clear_error(tmp_path, plain_server):
+    r = subprocess.run([*LANE, "trace", "--base-url", plain_server.url, "hello", "--max-tokens", "2",
+                        "--output-dir", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "--trace" in r.stderr and "Traceback" not in r.stderr
 
 
