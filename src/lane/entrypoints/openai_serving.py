@@ -139,13 +139,12 @@ class ChatOptions:
     reasoning_parser: str | None = None  # a REASONING_PARSERS name
 
 
-def _last(seq: list[int], sub: list[int]) -> int:
-    """Where sub last starts in seq (-1: nowhere)."""
+def _in_tail(seq: list[int], sub: list[int], slack: int) -> bool:
+    """Whether sub occurs within the last len(sub) + slack items of seq (only the tail is read:
+    prompts can be long)."""
     n = len(sub)
-    for i in range(len(seq) - n, -1, -1):
-        if n and seq[i:i + n] == sub:
-            return i
-    return -1
+    tail = seq[-(n + slack):]
+    return n > 0 and any(tail[i:i + n] == sub for i in range(len(tail) - n + 1))
 
 
 def _delta_dict(d: DeltaMessage) -> dict:
@@ -439,7 +438,7 @@ class OpenAIServing:
                 # a template that closes the thinking itself ends the prompt with the marker
                 # (V3.1's non-thinking mode); else the constraint waits for the model's (an
                 # earlier turn's </think> in the history does not count)
-                if _last(prompt_ids, end) < len(prompt_ids) - len(end) - 2:
+                if not _in_tail(prompt_ids, end, 2):
                     params.structured_outputs = dataclasses.replace(so, reasoning_end=end)
             return params
         return adjust

@@ -289,8 +289,8 @@ class ChatCompletionRequest(SamplingRequest):
         return out
 
     def tool_dicts(self) -> list[dict] | None:
-        """The tools as chat templates read them (None: no tools, or tool_choice none where
-        the template is not told)."""
+        """The tools as chat templates read them (None: no tools). As in vLLM, tool_choice
+        none still shows them to the template; only the output is not parsed for calls."""
         if not self.tools:
             return None
         return [t.model_dump(exclude_none=True) for t in self.tools]
