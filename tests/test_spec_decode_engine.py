@@ -342,12 +342,16 @@ def test_served_with_openai_client_metrics_log_trace_and_bench(tmp_path):
                 time.sleep(0.5)
             assert re.search(r"SpecDecoding metrics: Mean acceptance length: \d+\.\d\d", s.read_log())
             out = tmp_path / "bench"
+            # the repeating prompt, so n-gram drafts are found (random tokens may give none)
+            dataset = tmp_path / "repeat.jsonl"
+            dataset.write_text(4 * (json.dumps({"prompt": REPEAT, "max_tokens": 16}) + "\n"))
             b = subprocess.run([sys.executable, "-m", "lane.entrypoints.cli", "bench", "--base-url", s.url,
-                                "--dataset-name", "random", "--num-prompts", "4", "--random-input-len", "32",
-                                "--random-output-len", "16", "--ignore-eos", "--result-dir", str(out)],
+                                "--dataset-name", "jsonl", "--dataset-path", str(dataset), "--num-prompts", "4",
+                                "--ignore-eos", "--result-dir", str(out)],
                                capture_output=True, text=True, timeout=300)
             assert b.returncode == 0, b.stderr
             summary = json.loads((out / "summary.json").read_text())
+            assert summary["spec_decode_num_drafts"] > 0
             after = httpx.get(s.url + "/metrics").text
             assert summary["spec_decode_num_drafts"] == metric(after, "vllm:spec_decode_num_drafts_total") - drafts
             assert summary["spec_decode_accepted_tokens"] == (

@@ -26,9 +26,11 @@ def scrape(base_url: str, headers: dict[str, str] | None = None) -> dict | None:
     out: dict = {"block_size": None}
     for fam in families:
         for key, name in COUNTERS.items():
-            if fam.name in (name, name + "_total"):
-                out[key] = out.get(key, 0.0) + sum(
-                    s.value for s in fam.samples if s.name.endswith("_total") or s.name == name)
+            # a labelled counter has samples only once the server has counted (a server that
+            # never speculated has no spec samples): an absent key means "not measured", not 0
+            samples = [s for s in fam.samples if s.name.endswith("_total") or s.name == name]
+            if fam.name in (name, name + "_total") and samples:
+                out[key] = out.get(key, 0.0) + sum(s.value for s in samples)
         if fam.name == "vllm:cache_config_info":
             for s in fam.samples:
                 if "block_size" in s.labels:
@@ -46,13 +48,13 @@ def run_delta(before: dict | None, after: dict | None) -> dict:
         q, h = d["prefix_cache_queries"], d.get("prefix_cache_hits", 0.0)
         res.update(prefix_cache_queries=int(q), prefix_cache_hits=int(h),
                    prefix_cache_hit_rate=h / q if q else 0.0)
-    drafts = d.get("spec_decode_num_drafts", 0.0)
-    if drafts:
+    if "spec_decode_num_drafts" in d:  # a speculating server: its figures even when this run drafted none
+        drafts = d["spec_decode_num_drafts"]
         proposed = d.get("spec_decode_num_draft_tokens", 0.0)
         accepted = d.get("spec_decode_num_accepted_tokens", 0.0)
         res.update(spec_decode_num_drafts=int(drafts), spec_decode_draft_tokens=int(proposed),
                    spec_decode_accepted_tokens=int(accepted),
                    spec_decode_acceptance_rate=accepted / proposed if proposed else 0.0,
                    # vLLM's definition: tokens per draft step, the bonus token included
-                   spec_decode_acceptance_length=1 + accepted / drafts)
+                   spec_decode_acceptance_length=1 + accepted / drafts if drafts else 1.0)
     return res
