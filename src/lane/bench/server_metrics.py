@@ -26,11 +26,13 @@ def scrape(base_url: str, headers: dict[str, str] | None = None) -> dict | None:
     out: dict = {"block_size": None}
     for fam in families:
         for key, name in COUNTERS.items():
+            if fam.name not in (name, name + "_total"):
+                continue
             # a labelled counter has samples only once the server has counted (a server that
             # never speculated has no spec samples): an absent key means "not measured", not 0
-            samples = [s for s in fam.samples if s.name.endswith("_total") or s.name == name]
-            if fam.name in (name, name + "_total") and samples:
-                out[key] = out.get(key, 0.0) + sum(s.value for s in samples)
+            samples = [s.value for s in fam.samples if s.name.endswith("_total") or s.name == name]
+            if samples:
+                out[key] = out.get(key, 0.0) + sum(samples)
         if fam.name == "vllm:cache_config_info":
             for s in fam.samples:
                 if "block_size" in s.labels:
