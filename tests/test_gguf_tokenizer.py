@@ -381,3 +381,43 @@ def test_metaspace_first_token_keeps_its_space(metaspace_model):
             streamed = "".join(ch.choices[0].text for ch in c.completions.create(**kw, echo=True, stream=True)
                                if ch.choices)
             assert streamed == prompt + want
+
+
+PLAIN_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+
+def test_metaspace_logprob_tokens_keep_their_space(metaspace_model):
+    """Logprob token strings read as the text does (" Paris", as vLLM returns them, not
+    "Paris"): offline, and served on both routes, the sampled tokens' strings join to the
+    output text, and the top alternatives' strings keep their space too."""
+    from lane import LLM, SamplingParams
+    from utils import RemoteServer
+
+    path, tok = metaspace_model
+    prompt = "The capital of France is"
+    llm = LLM(path, dtype="float32", kv_cache_memory_bytes=16 << 20, max_model_len=512, show_progress=False)
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3),
+                       use_tqdm=False)[0].outputs[0]
+    del llm
+    strings = [lp[t].decoded_token for t, lp in zip(out.token_ids, out.logprobs)]
+    assert "".join(strings) == out.text
+    spaced = [t for t in out.token_ids if tok.convert_ids_to_tokens(t).startswith("\u2581")]
+    assert spaced  # the case at stake: "\u2581word" tokens were sampled
+    for lp in out.logprobs:
+        for t, v in lp.items():
+            assert v.decoded_token == tok.convert_ids_to_tokens(t).replace("\u2581", " ")
+    with RemoteServer([path, "--dtype", "float32", "--kv-cache-memory-bytes", "16M", "--max-model-len", "512"]) as s:
+        c = s.client()
+        model = c.models.list().data[0].id
+        r = c.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0, logprobs=3,
+                                 extra_body={"ignore_eos": True}).choices[0]
+        assert r.text == out.text and r.logprobs.tokens == strings
+        assert all(set(top) <= {v.decoded_token for v in lp.values()}
+                   for top, lp in zip(r.logprobs.top_logprobs, out.logprobs))
+        m = c.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}], max_tokens=10,
+                                      temperature=0, logprobs=True, top_logprobs=3, extra_body={
+                                          "ignore_eos": True, "chat_template": PLAIN_TEMPLATE}).choices[0]
+        content = m.logprobs.content
+        assert "".join(t.token for t in content) == m.message.content
+        assert any(t.token.startswith(" ") for t in content)
+        assert all(bytes(t.bytes).decode() == t.token for t in content)

@@ -170,3 +170,46 @@ def test_reasoning_then_tools_chained_and_flushed():
     assert p.delta("an answer <tool", False).content == "an answer "
     assert p.delta("", True).content == "<tool"
     assert not DeepSeekV3ReasoningParser.thinks(None) and DeepSeekV3ReasoningParser.thinks({"thinking": True})
+
+
+@pytest.mark.parametrize("eos_text", [None, "<｜end▁of▁sentence｜>"], ids=["smollm_eos", "deepseek_eos"])
+def test_stop_tokens_never_reach_content_when_special_tokens_are_kept(smollm_tokenizer, eos_text):
+    """DeepSeek formats decode with special tokens kept (their markers are special tokens); the
+    EOS or stop token that ends an answer is still not text (vLLM drops it): a plain answer's
+    content, whole and streamed, through the real detokenizer (real token ids of SmolLM2's
+    tokenizer, and with DeepSeek's <｜end▁of▁sentence｜> as its EOS) and each DeepSeek parser."""
+    import copy
+
+    from lane.engine.messages import EngineCoreOutput
+    from lane.engine.output_processor import OutputProcessor
+    from lane.sampling_params import SamplingParams
+
+    tok = smollm_tokenizer
+    if eos_text is not None:
+        tok = copy.deepcopy(tok)
+        tok.add_special_tokens({"eos_token": eos_text})
+    eos = tok.eos_token_id
+    ids = tok.encode("The capital of France is Paris. It lies on the Seine.", add_special_tokens=False)
+    prompt = tok.encode("Where is Paris?", add_special_tokens=False)
+    for name in ("deepseek_v3", "deepseek_v31", "deepseek_v32", "deepseek_v4"):
+        assert TOOL_PARSERS[name].keeps_special_tokens  # what the chat route then sets
+        for gen, stop_ids, stop_reason in ((ids + [eos], [], None), (ids, [ids[-1]], ids[-1])):
+            want = tok.decode(gen[:-1], skip_special_tokens=False)
+            params = SamplingParams(max_tokens=64, skip_special_tokens=False, stop_token_ids=stop_ids)
+            for stream in (False, True):
+                op = OutputProcessor(tok)
+                op.add_request("r", None, prompt, params, stream)
+                parser, content = ChatOutputParser(None, TOOL_PARSERS[name]()), ""
+                for i, t in enumerate(gen):
+                    last = i == len(gen) - 1
+                    for ro in op.process_outputs([EngineCoreOutput(
+                            "r", [t], finish_reason="stop" if last else None,
+                            stop_reason=stop_reason if last else None)])[0]:
+                        c = ro.outputs[0]
+                        if stream:
+                            d = parser.delta(c.text, c.finish_reason is not None)
+                            content += (d.content or "") if d else ""
+                        else:
+                            assert c.token_ids == gen  # the stop token is kept in token_ids
+                            content = parser.parse(c.text).content
+                assert content == want, (name, stream, content)

@@ -68,7 +68,7 @@ class AsyncLLM:
         self.served_model_name = served_model_name or default_served_name(args.model, self.model_config)
         self.tokenizer = self.model_config.get_tokenizer()
         self.processor = InputProcessor(self.model_config, self.tokenizer)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, self.model_config.eos_token_ids)
         self.registry = CollectorRegistry()
         self.prometheus = PrometheusStatLogger(self.served_model_name, data_parallel_size, self.registry)
         self.log_stats = [LoggingStatLogger(i) for i in range(data_parallel_size)]

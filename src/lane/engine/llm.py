@@ -49,7 +49,7 @@ class LLM:
         self.tokenizer = self.config.model_config.get_tokenizer()
         self.processor = InputProcessor(self.config.model_config, self.tokenizer)
         self.engine = EngineCore(self.config)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer, self.config.model_config.eos_token_ids)
         self._ids = itertools.count()
 
     def get_tokenizer(self):

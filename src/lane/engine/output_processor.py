@@ -10,6 +10,7 @@ from lane.engine.detokenizer import IncrementalDetokenizer
 from lane.metrics.stats import IterationStats, RequestStateStats
 from lane.outputs import CompletionOutput, Logprob, RequestOutput
 from lane.sampling_params import SamplingParams
+from lane.transformers_utils.tokenizer import TokenStrings
 
 
 @dataclass
@@ -41,8 +42,12 @@ class RequestState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, eos_token_ids: list[int] | None = None) -> None:
         self.tokenizer = tokenizer
+        if eos_token_ids is None:
+            eos_token_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        self.eos_token_ids = set(eos_token_ids)
+        self.token_str = TokenStrings(tokenizer)  # logprobs' token strings
         self.states: dict[str, RequestState] = {}  # by parent id
         self.child_to_parent: dict[str, str] = {}
 
@@ -89,7 +94,10 @@ class OutputProcessor:
                 for tid, lp in zip(o.new_token_ids, o.new_logprobs):
                     child.logprobs.append(self._to_logprobs(tid, lp))
                     child.cumulative_logprob += lp[0]
-            stop_str = child.detok.update(o.new_token_ids)
+            text_ids = o.new_token_ids
+            if o.finish_reason == "stop" and text_ids and self._stop_token(text_ids[-1], o.stop_reason, child.params):
+                text_ids = text_ids[:-1]  # the EOS / stop token that ended it is not text (vLLM)
+            stop_str = child.detok.update(text_ids)
             if stop_str is not None:
                 child.finish_reason, child.stop_reason = "stop", stop_str
                 if o.finish_reason is None:
@@ -108,6 +116,14 @@ class OutputProcessor:
                 self._remove(pid)
         return results, to_abort
 
+    def _stop_token(self, token_id: int, stop_reason: int | str | None, params: SamplingParams) -> bool:
+        """Whether the engine stopped on this token as a stop token (EOS, or one of
+        stop_token_ids), not on a grammar's last token; with include_stop_str_in_output it
+        stays text. Kept special tokens (DeepSeek's formats) would else end every answer."""
+        if params.include_stop_str_in_output:
+            return False
+        return stop_reason == token_id if stop_reason is not None else token_id in self.eos_token_ids
+
     @staticmethod
     def _update_stats(stats: RequestStateStats, o: EngineCoreOutput, now: float,
                       iteration_stats: IterationStats, finish_reason: str | None,
@@ -120,10 +136,10 @@ class OutputProcessor:
 
     def _to_logprobs(self, tid: int, lp: tuple) -> dict[int, Logprob]:
         sampled_lp, rank, top = lp
-        entry = {tid: Logprob(sampled_lp, rank, self.tokenizer.decode([tid]))}
+        entry = {tid: Logprob(sampled_lp, rank, self.token_str(tid))}
         for r, (t, v) in enumerate(top, start=1):
             if t not in entry:
-                entry[t] = Logprob(v, r, self.tokenizer.decode([t]))
+                entry[t] = Logprob(v, r, self.token_str(t))
         return entry
 
     def _make_output(self, state: RequestState) -> RequestOutput:

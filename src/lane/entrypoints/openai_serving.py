@@ -287,16 +287,14 @@ class OpenAIServing:
                          prompt_tokens_details={"cached_tokens": cached})
 
     # -- logprobs ----------------------------------------------------------------
-    def _token_str(self, tid: int) -> str:
-        return self.tokenizer.decode([tid])
-
+    # the output processor's token strings: each as it reads inside the text (" Paris")
     def _completion_logprobs(self, c: CompletionOutput, num: int, offset: int) -> CompletionLogprobs:
         lp = CompletionLogprobs()
         for tid, entry in zip(c.token_ids, c.logprobs or []):
-            tok = self._token_str(tid)
+            tok = entry[tid].decoded_token
             lp.tokens.append(tok)
             lp.token_logprobs.append(entry[tid].logprob)
-            lp.top_logprobs.append({self._token_str(t): v.logprob for t, v in entry.items()
+            lp.top_logprobs.append({v.decoded_token: v.logprob for t, v in entry.items()
                                     if t == tid or (v.rank is not None and v.rank <= num)})
             lp.text_offset.append(offset)
             offset += len(tok)
@@ -305,13 +303,13 @@ class OpenAIServing:
     def _chat_logprobs(self, c: CompletionOutput, num: int) -> ChatLogprobs:
         content = []
         for tid, entry in zip(c.token_ids, c.logprobs or []):
-            tok = self._token_str(tid)
+            tok = entry[tid].decoded_token
             tops = sorted(((t, v) for t, v in entry.items() if v.rank is not None and v.rank <= num),
                           key=lambda tv: tv[1].rank)
             content.append(ChatLogprobToken(
                 token=tok, logprob=entry[tid].logprob, bytes=list(tok.encode()),
-                top_logprobs=[TopLogprob(token=(s := self._token_str(t)), logprob=v.logprob,
-                                         bytes=list(s.encode())) for t, v in tops]))
+                top_logprobs=[TopLogprob(token=v.decoded_token, logprob=v.logprob,
+                                         bytes=list(v.decoded_token.encode())) for _, v in tops]))
         return ChatLogprobs(content=content)
 
     # -- /v1/completions -----------------------------------------------------------

@@ -60,3 +60,31 @@ def gguf_tokenizer(reader: GGUFFile):
         unk_token=tok("tokenizer.ggml.unknown_token_id"),
         pad_token=tok("tokenizer.ggml.padding_token_id"),
         chat_template=gguf_field(reader, "tokenizer.chat_template"))
+
+
+class TokenStrings:
+    """Each token's text as it reads inside a text (logprobs' token strings, as vLLM gives
+    them: " Paris", not "Paris"). A SentencePiece / Metaspace decoder drops a word's leading
+    space at the start of a text, so a token decoded alone loses it: each is decoded after a
+    fixed anchor token, and the anchor's own text cut off. Cached per token id."""
+
+    def __init__(self, tokenizer) -> None:
+        self._backend = tokenizer.backend_tokenizer
+        ids = tokenizer.encode("a", add_special_tokens=False)
+        self._anchor = ids[-1:] if len(ids) == 1 else []
+        self._anchor_text = self._decode(self._anchor)
+        self._cache: dict[int, str] = {}
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._backend.decode(ids, skip_special_tokens=False)
+
+    def __call__(self, token_id: int) -> str:
+        s = self._cache.get(token_id)
+        if s is None:
+            s = self._decode([token_id])
+            if self._anchor_text:
+                joined = self._decode(self._anchor + [token_id])
+                if joined.startswith(self._anchor_text):
+                    s = joined[len(self._anchor_text):]
+            self._cache[token_id] = s
+        return s
