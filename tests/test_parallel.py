@@ -241,10 +241,34 @@ def test_serve_tp2_dp2_then_a_killed_worker_fails_the_engine(tiny):
         assert not any(_alive(p) for p in workers)
 
 
-def test_two_nodes_on_loopback_equal_one_process(tiny):
-    """--nnodes 2: node 0 runs the API server, the engine and rank 0; node 1 (--headless) runs
-    rank 1, reached over ZeroMQ and gloo on loopback. Same output as one process; stopping
-    the server stops node 1's worker too."""
+class _CreatesAFile:
+    """A pickle that would create a file when loaded: what an attacker sends."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def _listening(port: int) -> list[str]:
+    """The local addresses (hex, as /proc/net/tcp writes them) listening on ``port``."""
+    with open("/proc/net/tcp") as f:
+        rows = [line.split() for line in f.readlines()[1:]]
+    return [r[1].split(":")[0] for r in rows if r[3] == "0A" and int(r[1].split(":")[1], 16) == port]
+
+
+def test_two_nodes_sign_every_message_refuse_another_secret_and_fail_fast_on_a_lost_node(tiny, tmp_path):
+    """--nnodes 2 on loopback: node 0 runs the API server, the engine and rank 0; node 1
+    (--headless) runs rank 1, reached over ZeroMQ and gloo. A headless node with another
+    secret is refused by name before it loads; with node 0's secret the output equals one
+    process; a raw pickle sent to the engine's ports runs nothing and is logged; the ports
+    listen on --master-addr's interface only; a SIGKILLed headless node fails the engine
+    (/health 503) within 5 s."""
+    import pickle
+
+    import zmq
+
     ref = LLM(tiny["llama"], **FP32)
     want = [o.outputs[0].text for o in ref.generate([{"prompt_token_ids": p} for p in PROMPTS],
                                                      GREEDY, use_tqdm=False)]
@@ -252,18 +276,67 @@ def test_two_nodes_on_loopback_equal_one_process(tiny):
     port = free_port()
     common = ["--model", tiny["llama"], "--dtype", "float32", "-tp", "2", "--nnodes", "2",
               "--master-addr", "127.0.0.1", "--master-port", str(port)]
-    node1 = subprocess.Popen([sys.executable, "-m", "lane.entrypoints.cli", "serve", *common, "--node-rank", "1",
-                              "--headless"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    headless = [sys.executable, "-m", "lane.entrypoints.cli", "serve", *common, "--node-rank", "1", "--headless"]
+    secret = "a-deployment-secret-for-this-test-only"
+
+    def node1(env_secret: str) -> subprocess.Popen:
+        return subprocess.Popen(headless, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, "LANE_RPC_SECRET": env_secret})
+
+    wrong, right = node1("another-secret-that-is-long-enough"), node1(secret)
     try:
-        with RemoteServer([*common, "--node-rank", "0"]) as s:
+        with RemoteServer([*common, "--node-rank", "0"], env={"LANE_RPC_SECRET": secret}) as s:
+            assert wrong.wait(30) == 2
+            out = wrong.stdout.read()
+            assert ("--rpc-secret-file / LANE_RPC_SECRET: the engine at 127.0.0.1:%d signs its messages with "
+                    "another secret than this node's" % (port + 1)) in out
+            assert "Traceback" not in out and "Loading" not in out  # refused before loading
             assert "Started 2 worker processes" in s.read_log()
+            assert "dropped a frame signed with another secret" in s.read_log()  # its heartbeats
+            assert secret not in s.read_log() + out
             assert _completions(s, PROMPTS) == want
-            assert s.stop() == 0
-        assert node1.wait(20) == 0
-        assert "Node 1 of 2: worker ranks [1]" in node1.stdout.read()
+            # only the interface of --master-addr listens (127.0.0.1, not 0.0.0.0)
+            for p in (port + 1, port + 2):
+                assert _listening(p) == ["0100007F"], p
+            # an attacker's pickle on the replies port, and noise on both
+            marker = tmp_path / "pwned"
+            ctx = zmq.Context()
+            push = ctx.socket(zmq.PUSH)
+            push.connect(f"tcp://127.0.0.1:{port + 2}")
+            push.send(pickle.dumps((1, "ok", _CreatesAFile(str(marker)))))
+            push.send(b"\0" * 64)
+            push.close(linger=2000)
+            ctx.term()
+            import socket as socketlib
+
+            with socketlib.create_connection(("127.0.0.1", port + 1), timeout=5) as raw:
+                raw.sendall(pickle.dumps(_CreatesAFile(str(marker))))
+            time.sleep(1.0)
+            assert not marker.exists()
+            assert "worker replies (from 127.0.0.1): dropped" in s.read_log()
+            assert _completions(s, PROMPTS[:1]) == want[:1]  # still serving
+            # a lost node: its workers go with it, their heartbeats stop
+            t0 = time.monotonic()
+            right.kill()
+            while httpx.get(s.url + "/health").status_code != 503:
+                assert time.monotonic() - t0 < 5, "a lost node took more than 5 s to fail the engine"
+                time.sleep(0.1)
+            assert "on another machine sent no heartbeat" in s.read_log()
+        assert "Node 1 of 2: worker ranks [1]" in right.stdout.read()
     finally:
-        if node1.poll() is None:
-            node1.kill()
+        for p in (wrong, right):
+            if p.poll() is None:
+                p.kill()
+
+
+def test_a_headless_node_without_a_secret_is_refused_by_name(tiny, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "lane.entrypoints.cli", "serve", "--model", tiny["llama"], "-tp", "2",
+                        "--nnodes", "2", "--node-rank", "1", "--headless", "--master-port", str(free_port())],
+                       capture_output=True, text=True, timeout=120,
+                       env={**{k: v for k, v in os.environ.items() if k != "LANE_RPC_SECRET"}, "HOME": str(tmp_path)})
+    assert r.returncode == 2
+    assert f"--rpc-secret-file: no RPC secret at {tmp_path}/.cache/lane/rpc-secret" in r.stderr
+    assert "Traceback" not in r.stderr
 
 
 @pytest.fixture

@@ -12,7 +12,6 @@ import asyncio
 import logging
 import multiprocessing
 import shutil
-import tempfile
 import time
 from typing import Callable
 
@@ -24,6 +23,7 @@ from lane.config import EngineArgs
 from lane.engine.messages import (EngineCoreOutputs, EngineCoreOutputType, EngineCoreRequest,
                                   EngineCoreRequestType, EngineReady)
 from lane.engine.dp_balancer import DPLoadBalancer
+from lane.ipc_paths import make_ipc_dir
 from lane.platform import available_cpus, disjoint_cpu_sets
 from lane.tracing import Span
 
@@ -69,7 +69,7 @@ class AsyncMPClient:
         self.ready: list[EngineReady] = []
         self.procs: list[multiprocessing.Process] = []
         self.dead: dict[int, int | None] = {}  # engine index -> exit code
-        self._ipc_dir = tempfile.mkdtemp(prefix="lane-ipc-")
+        self._ipc_dir = make_ipc_dir("ipc")  # removes what a killed server left
         self._sync_ctx = zmq.Context()
         self._async_ctx = zmq.asyncio.Context()
         self._encoder = msgspec.msgpack.Encoder()

@@ -19,26 +19,34 @@ import logging
 import multiprocessing
 import os
 import pickle
+import queue
+import shutil
 import signal
 import socket
 import sys
-import tempfile
 import threading
 import time
 import traceback
 from dataclasses import replace
+from typing import Callable
 
 import zmq
 
 from lane.config import EngineConfig
+from lane.distributed.rpc_auth import SECRET_ENV, AuthError, RpcAuth, resolve_rpc_secret
 from lane.distributed.shm_broadcast import HEARTBEAT_S, MessageQueue, MessageReader, QueueHandle
 from lane.executor.abstract import Executor, WorkerError
+from lane.ipc_paths import make_ipc_dir
 from lane.platform import disjoint_cpu_sets
 from lane.tracing import tracer
 
 logger = logging.getLogger(__name__)
 
 READY_TIMEOUT_S = 900.0  # loading a large checkpoint on a slow disk
+WORKER_HEARTBEAT_S = 1.0  # a rank on another machine beats this often ...
+NODE_LOST_S = 3.5  # ... and is lost after this long without a word
+HEARTBEAT_SENDER = 1 << 31  # a rank's heartbeat socket signs as its rank with this bit (its own counter)
+AUTH_REFUSED_EXIT = 3  # a worker that found the engine's secret is not its own
 
 
 def rank_cpu_sets(num_ranks: int) -> list[list[int]]:
@@ -62,7 +70,7 @@ class WorkerProc:
     @staticmethod
     def run(engine_args, rank: int, ranks_on_node: int, local_index: int | None, handle: QueueHandle,
             reply_address: str, cpu_ids: list[int] | None, threads: int | None, trace: tuple[bool, bool],
-            parent_pid: int) -> None:
+            parent_pid: int, auth_key: bytes) -> None:
         from lane.logger import configure_process_logging
 
         configure_process_logging(f"Worker_TP{rank}")
@@ -72,15 +80,25 @@ class WorkerProc:
             os.sched_setaffinity(0, cpu_ids)
         if trace[0]:
             tracer.enable(trace[1])
+        auth = RpcAuth(auth_key, rank)
         ctx = zmq.Context()
         reply = ctx.socket(zmq.PUSH)
         reply.setsockopt(zmq.LINGER, 2000)
         reply.connect(reply_address)
-        reader = MessageReader(handle, local_index)
+        remote = local_index is None
+        if remote:  # the engine on another machine hears from us while we load, too
+            _start_heartbeat(ctx, reply_address, auth.for_sender(rank | HEARTBEAT_SENDER))
+        reader = MessageReader(handle, local_index, None if not remote else RpcAuth(auth_key))
 
         def send(kind: str, payload) -> None:
-            reply.send(pickle.dumps((rank, kind, payload), protocol=pickle.HIGHEST_PROTOCOL))
+            reply.send(auth.seal(pickle.dumps((kind, payload), protocol=pickle.HIGHEST_PROTOCOL)))
 
+        try:
+            reader.wait_for_writer(READY_TIMEOUT_S)  # a wrong secret is refused here, before loading
+        except AuthError:
+            logger.error("worker rank %d: the engine at %s signs with another RPC secret than this node's "
+                         "(LANE_RPC_SECRET / --rpc-secret-file must be node 0's); refusing it", rank, handle.remote_address)
+            sys.exit(AUTH_REFUSED_EXIT)
         try:
             from lane.worker.worker import Worker
 
@@ -100,7 +118,7 @@ class WorkerProc:
         steps = 0
         while True:
             # on another machine: no heartbeat for a while means the engine is gone
-            msg = reader.dequeue(None if local_index is not None else 5 * HEARTBEAT_S)
+            msg = reader.dequeue(None if not remote else 5 * HEARTBEAT_S)
             if msg is None:
                 logger.warning("worker rank %d: no word from the engine for %.0f s; exiting", rank, 5 * HEARTBEAT_S)
                 break
@@ -123,6 +141,26 @@ class WorkerProc:
         ctx.term()
 
 
+def _start_heartbeat(ctx: zmq.Context, address: str, auth: RpcAuth) -> None:
+    """A rank on another machine tells the engine it lives (its own socket, its own thread)."""
+    def beat() -> None:
+        sock = ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 4)  # an engine not reading yet needs no backlog of them
+        sock.connect(address)
+        while True:
+            try:
+                sock.send(auth.seal(b""), zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+            except zmq.ZMQError:  # the context is ending: the worker exits
+                break
+            time.sleep(WORKER_HEARTBEAT_S)
+        sock.close()
+
+    threading.Thread(target=beat, daemon=True, name="WorkerHeartbeat").start()
+
+
 def _watch_parent(parent_pid: int, rank: int, interval_s: float = 0.5) -> None:
     """End this worker once the process that started it is gone (SIGKILL, OOM): nobody would
     send it work, and its memory stays held."""
@@ -136,8 +174,9 @@ def _watch_parent(parent_pid: int, rank: int, interval_s: float = 0.5) -> None:
 
 
 def spawn_workers(engine_args, ranks: list[int], ranks_on_node: int, local: bool, handle: QueueHandle,
-                  reply_address: str, threads: int | None) -> list[multiprocessing.Process]:
-    """Start one process per rank of ``ranks`` on this machine, each pinned to its CPUs."""
+                  reply_address: str, threads: int | None, auth_key: bytes) -> list[multiprocessing.Process]:
+    """Start one process per rank of ``ranks`` on this machine, each pinned to its CPUs (the
+    key reaches them through the spawn pipe, never the network)."""
     ctx = multiprocessing.get_context("spawn")
     cpu_sets = rank_cpu_sets(len(ranks))
     procs = []
@@ -145,10 +184,82 @@ def spawn_workers(engine_args, ranks: list[int], ranks_on_node: int, local: bool
         t = threads or len(cpu_sets[i])
         proc = ctx.Process(target=_worker_main, name=f"Worker_TP{rank}", daemon=True,
                            args=(engine_args, rank, ranks_on_node, i if local else None, handle, reply_address,
-                                 cpu_sets[i], t, (tracer.enabled, tracer.layer_detail), os.getpid()))
+                                 cpu_sets[i], t, (tracer.enabled, tracer.layer_detail), os.getpid(), auth_key))
         proc.start()
         procs.append(proc)
     return procs
+
+
+def interface_address(host: str) -> str:
+    """The address of --master-addr to listen on (a name resolved: ZeroMQ binds interfaces)."""
+    try:
+        return socket.gethostbyname(host)
+    except OSError as e:
+        raise ValueError(f"--master-addr {host!r} does not resolve: {e}") from None
+
+
+class ReplyChannel:
+    """The engine's end of its workers' replies. One thread owns the socket (ipc from this
+    machine's ranks, tcp on --master-addr's interface from other machines' ranks): it checks
+    each frame's signature before it unpickles anything (a frame that fails is dropped and
+    logged), hands (rank, kind, payload) to ``inbox``, and watches the heartbeats of the
+    ranks on other machines: one silent for ``NODE_LOST_S`` is lost (``on_lost`` is told)."""
+
+    def __init__(self, auth: RpcAuth, local_address: str, remote_address: str | None,
+                 on_lost: Callable[[str], None]) -> None:
+        self.auth, self.on_lost = auth, on_lost
+        self.inbox: queue.Queue = queue.Queue()
+        self.last_heard: dict[int, float] = {}  # remote ranks, once they have beaten
+        self._closing = threading.Event()
+        bound: list = []
+        started = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(local_address, remote_address, bound, started),
+                                        daemon=True, name="WorkerReplies")
+        self._thread.start()
+        started.wait()
+        if bound[0] is not None:
+            raise OSError(f"cannot listen for the workers' replies: {bound[0]}")
+
+    def _run(self, local_address: str, remote_address: str | None, bound: list, started: threading.Event) -> None:
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.PULL)
+        try:
+            sock.bind(local_address)
+            if remote_address:
+                sock.bind(remote_address)
+            bound.append(None)
+        except zmq.ZMQError as e:
+            bound.append(e)
+        started.set()
+        lost = False
+        while bound[0] is None and not self._closing.is_set():
+            if sock.poll(100):
+                frame = sock.recv(copy=False)
+                try:
+                    sender, body = self.auth.open(frame.buffer)
+                except AuthError as e:
+                    peer = frame.get("Peer-Address") if remote_address else ""
+                    self.auth.log_dropped(f"worker replies (from {peer or 'this machine'})", e)
+                    continue
+                rank = sender & ~HEARTBEAT_SENDER
+                if rank in self.last_heard or sender & HEARTBEAT_SENDER:
+                    self.last_heard[rank] = time.monotonic()
+                if not sender & HEARTBEAT_SENDER:
+                    self.inbox.put((rank, *pickle.loads(body)))
+            now = time.monotonic()
+            silent = sorted(r for r, t in self.last_heard.items() if now - t > NODE_LOST_S)
+            if silent and not lost:
+                lost = True
+                msg = (f"worker rank(s) {silent} on another machine sent no heartbeat for {NODE_LOST_S:.0f} s "
+                       f"(the node is lost)")
+                self.inbox.put((silent[0], "lost", msg))
+                self.on_lost(msg)
+        sock.close(linger=0)
+        ctx.term()
+
+    def close(self) -> None:
+        self._closing.set()
+        self._thread.join(2.0)
 
 
 class MultiprocExecutor(Executor):
@@ -159,23 +270,35 @@ class MultiprocExecutor(Executor):
         local = pc.ranks_per_node
         remote = self.world - local
         self.timeout_s = pc.worker_timeout
-        self.mq = MessageQueue(local, remote, pc.master_port + 1)
-        self.ctx = zmq.Context()
-        self.replies = self.ctx.socket(zmq.PULL)
-        self._ipc_dir = tempfile.mkdtemp(prefix="lane-workers-")
-        local_reply = f"ipc://{self._ipc_dir}/replies"
-        self.replies.bind(local_reply)
-        if remote:
-            self.replies.bind(f"tcp://*:{pc.master_port + 2}")
         self._closing = False
         self.failed: str | None = None
+        self.procs: list[multiprocessing.Process] = []
+        self.mq = self.replies = None
+        self._ipc_dir = make_ipc_dir("workers")
+        try:
+            self._start(config, local, remote)
+        except BaseException:
+            self.shutdown()  # no worker, ring, thread or IPC dir outlives a failed start
+            raise
+        atexit.register(self.shutdown)  # before multiprocessing's own exit handler kills the workers
+
+    def _start(self, config: EngineConfig, local: int, remote: int) -> None:
+        pc = config.parallel_config
+        # another machine's ranks: messages signed with the deployment's secret, on the
+        # interface of --master-addr only; one machine: a random key, nothing on the network
+        host = interface_address(pc.master_addr) if remote else None
+        auth = RpcAuth(resolve_rpc_secret(pc.rpc_secret_file, create=True)) if remote else RpcAuth.random()
+        self.mq = MessageQueue(local, remote, pc.master_port + 1, host, auth)
+        local_reply = f"ipc://{self._ipc_dir}/replies"
+        self.replies = ReplyChannel(RpcAuth(auth.key()), local_reply,
+                                    f"tcp://{host}:{pc.master_port + 2}" if remote else None, self._node_lost)
         engine_args = config.engine_args
         if pc.nnodes == 1:  # one machine: a free rendezvous port, so replicas and runs never collide
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 engine_args = replace(engine_args, master_port=s.getsockname()[1], master_addr="127.0.0.1")
         self.procs = spawn_workers(engine_args, list(range(local)), local, True, self.mq.handle(),
-                                   local_reply, config.threads)
+                                   local_reply, config.threads, auth.key())
         ready = self._gather(set(range(self.world)), READY_TIMEOUT_S, "ready")
         self.mq.wait_for_readers(60.0)
         self.pids = [ready[r][0] for r in range(self.world)]
@@ -186,7 +309,6 @@ class MultiprocExecutor(Executor):
         logger.info("Started %d worker processes (pids %s) on %d machine(s) %s; %d threads each on rank 0's",
                     self.world, ", ".join(map(str, self.pids)), len(hosts), hosts, self.threads)
         threading.Thread(target=self._monitor, daemon=True, name="WorkerMonitor").start()
-        atexit.register(self.shutdown)  # before multiprocessing's own exit handler kills the workers
 
     # -- the calls -------------------------------------------------------------------
     def collective_rpc(self, method: str, args: tuple = (), unique_reply_rank: int | None = None):
@@ -206,23 +328,24 @@ class MultiprocExecutor(Executor):
         pending, results = set(ranks), {}
         deadline = time.monotonic() + timeout_s
         while pending:
-            if self.replies.poll(100):
-                rank, got, payload = pickle.loads(self.replies.recv())
-                if got == "error":
-                    self.failed = f"worker rank {rank}: {payload}"
-                    raise WorkerError(self.failed)
-                if got == kind and rank in pending:
-                    results[rank] = payload
-                    pending.discard(rank)
+            try:
+                rank, got, payload = self.replies.inbox.get(timeout=0.1)
+            except queue.Empty:
+                dead = self._dead_workers()
+                if dead or self.failed:
+                    self.failed = self.failed or dead
+                    raise WorkerError(self.failed) from None
+                if time.monotonic() > deadline:
+                    self.failed = (f"no reply to {method} from worker rank(s) {sorted(pending)} within "
+                                   f"{timeout_s:.0f} s (--worker-timeout)")
+                    raise WorkerError(self.failed) from None
                 continue
-            dead = self._dead_workers()
-            if dead or self.failed:
-                self.failed = self.failed or dead
+            if got in ("error", "lost"):
+                self.failed = payload if got == "lost" else f"worker rank {rank}: {payload}"
                 raise WorkerError(self.failed)
-            if time.monotonic() > deadline:
-                self.failed = (f"no reply to {method} from worker rank(s) {sorted(pending)} within {timeout_s:.0f} s "
-                               f"(--worker-timeout)")
-                raise WorkerError(self.failed)
+            if got == kind and rank in pending:
+                results[rank] = payload
+                pending.discard(rank)
         return results
 
     def _dead_workers(self) -> str:
@@ -230,9 +353,21 @@ class MultiprocExecutor(Executor):
         return ", ".join(f"worker rank {i} (pid {p.pid}) exited with code {p.exitcode}"
                          for i, p in enumerate(self.procs) if p.exitcode is not None)
 
+    def _fail(self, why: str) -> None:
+        """A worker gone between calls fails the engine too: in an engine-core process, the
+        process ends (its requests fail, /health turns 503); the next call raises anyway."""
+        self.failed = self.failed or why
+        logger.error("%s: the engine stops", self.failed)
+        if self.own_process:
+            time.sleep(1.0)  # the main thread, if inside a call, reports it first
+            if not self._closing:
+                os._exit(1)
+
+    def _node_lost(self, why: str) -> None:
+        if not self._closing:
+            threading.Thread(target=self._fail, args=(why,), daemon=True).start()
+
     def _monitor(self) -> None:
-        """A worker that exits between calls fails the engine too: in an engine-core process,
-        the process ends (its requests fail, /health turns 503); the next call raises anyway."""
         from multiprocessing.connection import wait
 
         ready = wait([p.sentinel for p in self.procs])
@@ -241,21 +376,17 @@ class MultiprocExecutor(Executor):
         for p in self.procs:
             if p.sentinel in ready:
                 p.join(1.0)  # its exit code
-        self.failed = self.failed or self._dead_workers()
-        logger.error("%s: the engine stops", self.failed)
-        if self.own_process:
-            time.sleep(1.0)  # the main thread, if inside a call, reports it first
-            if not self._closing:
-                os._exit(1)
+        self._fail(self._dead_workers())
 
     def shutdown(self) -> None:
         if self._closing:
             return
         self._closing = True
-        try:
-            self.mq.enqueue(("shutdown", (), None), timeout_s=2.0)
-        except Exception:
-            pass
+        if self.mq is not None:
+            try:
+                self.mq.enqueue(("shutdown", (), None), timeout_s=2.0)
+            except Exception:
+                pass
         deadline = time.monotonic() + 5.0
         for p in self.procs:
             p.join(max(0.0, deadline - time.monotonic()))
@@ -264,23 +395,29 @@ class MultiprocExecutor(Executor):
                 p.join(2.0)
             if p.exitcode is None:
                 p.kill()
-        self.mq.close()
-        self.replies.close(linger=0)
-        self.ctx.term()
+                p.join(2.0)
+        if self.mq is not None:
+            self.mq.close()
+        if self.replies is not None:
+            self.replies.close()
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
 
 def run_headless(engine_args) -> int:
     """``lane serve --headless --node-rank N``: this machine's ranks only, reached over ZeroMQ
-    from the engine on node 0; returns when they end (the engine stops them, or they fail)."""
+    from the engine on node 0; returns when they end (the engine stops them, or they fail).
+    Without node 0's RPC secret it is refused: ValueError naming the flag."""
     config = engine_args.create_engine_config()
     pc = config.parallel_config
+    key = resolve_rpc_secret(pc.rpc_secret_file, create=False)
     per = pc.ranks_per_node
     ranks = list(range(pc.node_rank * per, (pc.node_rank + 1) * per))
-    handle = QueueHandle(None, None, f"tcp://{pc.master_addr}:{pc.master_port + 1}", 0)
-    procs = spawn_workers(engine_args, ranks, per, False, handle, f"tcp://{pc.master_addr}:{pc.master_port + 2}",
-                          config.threads)
+    host = pc.master_addr
+    handle = QueueHandle(None, None, f"tcp://{host}:{pc.master_port + 1}", 0)
+    procs = spawn_workers(engine_args, ranks, per, False, handle, f"tcp://{host}:{pc.master_port + 2}",
+                          config.threads, key)
     logger.info("Node %d of %d: worker ranks %s (pids %s), engine at %s:%d", pc.node_rank, pc.nnodes, ranks,
-                ", ".join(str(p.pid) for p in procs), pc.master_addr, pc.master_port)
+                ", ".join(str(p.pid) for p in procs), host, pc.master_port)
 
     def stop(*_):
         for p in procs:
@@ -293,4 +430,7 @@ def run_headless(engine_args) -> int:
     for p in procs:
         p.join()
         code = code or (p.exitcode or 0)
+    if code == AUTH_REFUSED_EXIT:
+        raise ValueError(f"--rpc-secret-file / {SECRET_ENV}: the engine at {host}:{pc.master_port + 1} signs its "
+                         f"messages with another secret than this node's; give this node node 0's secret")
     return code
