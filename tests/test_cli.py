@@ -39,6 +39,7 @@ def test_generate_chat():
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     (["--kv-cache-memory-bytes", "lots"], "--kv-cache-memory-bytes"),
     (["--model", "/no/such/model"], "does not exist"),
+    (["--device", "cuda"], "--device cuda: lane runs on the CPU only for now"),
 ])
 def test_bad_input_is_a_clear_error(args, needle):
     r = run("generate", "hi", "--quiet", *args)
@@ -57,6 +58,8 @@ def test_bad_input_is_a_clear_error(args, needle):
     (["--tool-call-parser", "nope"], "--tool-call-parser"),
     (["--chat-template", "/no/such.jinja"], "--chat-template"),
     (["--chat-template", "{% if %}"], "--chat-template"),
+    (["--device", "cuda:0"], "--device cuda:0: lane runs on the CPU only for now"),
+    (["--device", "nope"], "--device 'nope' is not a device"),
 ])
 def test_serve_bad_flags_are_clear_errors(args, needle):
     r = run("serve", *args, timeout=120)
@@ -73,3 +76,20 @@ def test_serve_engine_start_failure_is_reported():
     assert "engine core 0 failed to start" in r.stderr
     assert "raise --kv-cache-memory-bytes" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_a_machine_with_a_gpu_runs_on_its_cpu(monkeypatch):
+    """Where torch sees CUDA, the default device is still the CPU (lane's CUDA path is not
+    built): the model and its KV pools stay together."""
+    import torch
+
+    from lane import platform
+    from lane.config import ModelConfig
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert platform.default_device() == torch.device("cpu")
+    assert ModelConfig().device_type == torch.device("cpu")
+    assert ModelConfig(device="cpu").device_type == torch.device("cpu")
+    with pytest.raises(ValueError, match="--device cuda: lane runs on the CPU only"):
+        ModelConfig(device="cuda")

@@ -39,7 +39,7 @@ class ModelConfig:
         if self.gguf_file and self.quantization in ("int8", "w8a8"):
             raise ValueError(f"--quantization {self.quantization} is for safetensors checkpoints; a GGUF runs "
                              f"its own quantization with --quantization auto (or none to dequantize it)")
-        self.device_type = torch.device(self.device) if self.device else platform.default_device()
+        self.device_type = platform.check_device(self.device)
         if self.device_type.type != "cpu" and self.quantization in ("int8", "w8a8"):
             raise ValueError(f"--quantization {self.quantization} runs on lane's CPU kernels; on "
                              f"{self.device_type.type} use --quantization none")
@@ -163,6 +163,7 @@ class ParallelConfig:
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
     worker_timeout: float = 60.0  # seconds a step may take before the engine gives up on its workers
+    rpc_secret_file: str | None = None  # signs the engine's messages to other machines (rpc_auth)
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "data_parallel_size", "nnodes"):
@@ -330,16 +331,18 @@ class EngineArgs:
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
     worker_timeout: float = 60.0
+    rpc_secret_file: str | None = None
     speculative_config: dict | str | None = None  # JSON text or a dict (SpeculativeConfig's fields)
+    device: str | None = None  # None / "auto": the CPU (the only device lane runs on yet)
 
     def create_parallel_config(self) -> ParallelConfig:
         return ParallelConfig(self.tensor_parallel_size, self.data_parallel_size, self.enable_expert_parallel,
                               self.distributed_executor_backend, self.nnodes, self.node_rank, self.master_addr,
-                              self.master_port, self.worker_timeout)
+                              self.master_port, self.worker_timeout, self.rpc_secret_file)
 
     def create_model_config(self) -> ModelConfig:
         return ModelConfig(self.model, dtype=self.dtype, max_model_len=self.max_model_len, seed=self.seed,
-                           quantization=self.quantization)
+                           device=self.device, quantization=self.quantization)
 
     def create_engine_config(self, model_config: ModelConfig | None = None) -> EngineConfig:
         model_config = model_config or self.create_model_config()

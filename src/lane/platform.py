@@ -89,7 +89,24 @@ def onednn_bf16_gemm() -> bool:
 
 
 def default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """The CPU, even where torch sees a GPU: lane's CUDA path (the model moved there, its
+    kernels) is not built and checked yet, so a GPU box runs lane on its CPU."""
+    return torch.device("cpu")
+
+
+def check_device(name: str | None) -> torch.device:
+    """``--device``: None or "auto" and "cpu" are the CPU; any other device is refused by name
+    (the KV pools would go there, the model would not)."""
+    if name in (None, "auto"):
+        return default_device()
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"--device {name!r} is not a device (lane runs on cpu)") from None
+    if device.type != "cpu":
+        raise ValueError(f"--device {name}: lane runs on the CPU only for now (its {device.type} path is not "
+                         f"built); use --device cpu")
+    return device
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:

@@ -31,7 +31,8 @@ class LLM:
                  tensor_parallel_size: int = 1, data_parallel_size: int = 1, enable_expert_parallel: bool = False,
                  distributed_executor_backend: str | None = None, nnodes: int = 1, node_rank: int = 0,
                  master_addr: str = "127.0.0.1", master_port: int = 29500, worker_timeout: float = 60.0,
-                 speculative_config: dict | str | None = None) -> None:
+                 speculative_config: dict | str | None = None, device: str | None = None,
+                 rpc_secret_file: str | None = None) -> None:
         if data_parallel_size != 1:
             raise ValueError(f"data_parallel_size {data_parallel_size}: offline LLM runs one replica; "
                              f"serve replicas with lane serve --data-parallel-size")
@@ -43,7 +44,7 @@ class LLM:
                           enable_expert_parallel=enable_expert_parallel,
                           distributed_executor_backend=distributed_executor_backend, nnodes=nnodes,
                           master_addr=master_addr, master_port=master_port, worker_timeout=worker_timeout,
-                          speculative_config=speculative_config)
+                          speculative_config=speculative_config, device=device, rpc_secret_file=rpc_secret_file)
         start_cpu_kernel_build()
         self.config = args.create_engine_config()
         self.tokenizer = self.config.model_config.get_tokenizer()

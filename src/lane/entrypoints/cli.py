@@ -33,6 +33,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "load to --dtype; int8: a safetensors checkpoint's linear and expert weights quantized "
                         "to int8 per output channel at load (W8A16); w8a8: the same, and activations quantized "
                         "to int8 per token (int8 GEMMs)")
+    g.add_argument("--device", default="auto",
+                   help="auto or cpu: lane runs on the CPU (its CUDA path is not built yet: other devices are refused)")
     g.add_argument("--threads", type=int, default=None,
                    help="threads of torch and the CPU kernels (default and most: the CPUs this process may use)")
     g.add_argument("--block-size", type=int, default=None,
@@ -62,6 +64,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     d.add_argument("--master-port", type=int, default=29500,
                    help="node 0's rendezvous port with --nnodes > 1 (+1 and +2 carry the engine's messages); "
                         "one machine picks free ports itself")
+    d.add_argument("--rpc-secret-file", default=None, metavar="FILE",
+                   help="with --nnodes > 1: the secret that signs every message between the machines (default "
+                        "~/.cache/lane/rpc-secret, or LANE_RPC_SECRET); node 0 writes one where none exists, "
+                        "headless nodes need the same")
     d.add_argument("--worker-timeout", type=float, default=60.0,
                    help="seconds a step may take on the workers before the engine fails")
 
@@ -81,7 +87,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 data_parallel_size=args.data_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
                 distributed_executor_backend=args.distributed_executor_backend, nnodes=args.nnodes,
                 node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
-                worker_timeout=args.worker_timeout, speculative_config=args.speculative_config)
+                worker_timeout=args.worker_timeout, speculative_config=args.speculative_config,
+                device=None if args.device == "auto" else args.device, rpc_secret_file=args.rpc_secret_file)
 
 
 def cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -145,6 +152,7 @@ def chat_options(args: argparse.Namespace, parser: argparse.ArgumentParser):
 def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import asyncio
 
+    from lane import platform
     from lane.config import EngineArgsError, SpeculativeConfig
     from lane.entrypoints.api_server import serve
 
@@ -159,6 +167,7 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         eargs = engine_args(args)
         eargs.enable_tracing, eargs.trace_layers = args.trace or args.trace_layers, args.trace_layers
         pc = eargs.create_parallel_config()
+        platform.check_device(eargs.device)
         SpeculativeConfig.parse(eargs.speculative_config)  # its syntax now; what the model allows at start
     except (ValueError, FileNotFoundError, TypeError) as e:
         parser.error(str(e))
