@@ -403,3 +403,35 @@ def test_a_worker_that_stops_answering_fails_the_engine_after_worker_timeout(tin
         t0 = time.monotonic()
         llm.shutdown()
         assert time.monotonic() - t0 < 15
+
+
+def _left_behind() -> list[str]:
+    """This process's workers, rings and IPC dirs, and the executor's threads, still there."""
+    import glob
+    import multiprocessing
+    import tempfile
+    import threading
+
+    from lane.ipc_paths import SHM_DIR
+
+    pid = os.getpid()
+    return ([f"child {p.pid}" for p in multiprocessing.active_children()]
+            + glob.glob(os.path.join(SHM_DIR, f"lane-*-{pid}-*"))
+            + glob.glob(os.path.join(tempfile.gettempdir(), f"lane-workers-{pid}-*"))
+            + [t.name for t in threading.enumerate() if t.name in ("WorkerReplies", "MessageQueueRemote",
+                                                                  "WorkerMonitor")])
+
+
+def test_a_rank_that_cannot_start_leaves_nothing_behind_nor_does_a_shutdown(tiny, monkeypatch):
+    from lane.executor.abstract import WorkerError
+
+    monkeypatch.setenv("LANE_FAULT_INJECT", "worker_start_fail:1")
+    with pytest.raises(WorkerError, match="worker rank 1: RuntimeError: injected start-up failure"):
+        LLM(tiny["llama"], tensor_parallel_size=2, kv_cache_memory_bytes=4 << 20, **FP32)
+    assert _left_behind() == []
+    monkeypatch.delenv("LANE_FAULT_INJECT")
+    llm = LLM(tiny["llama"], tensor_parallel_size=2, kv_cache_memory_bytes=4 << 20, **FP32)
+    assert len(_left_behind()) > 2  # its workers, IPC dir and threads, while it runs
+    llm.shutdown()
+    time.sleep(0.2)  # the monitor thread sees its workers go
+    assert _left_behind() == []

@@ -1,10 +1,14 @@
 """`lane serve` with two data-parallel replicas and an API key; an engine that dies;
 SIGTERM."""
 import asyncio
+import glob
 import json
 import os
 import re
 import signal
+import subprocess
+import sys
+import tempfile
 import time
 
 import httpx2 as httpx
@@ -206,6 +210,12 @@ def test_engine_exits_when_the_api_server_is_killed(busy):
             os.kill(pid, signal.SIGKILL)  # leave no engine behind, whatever the outcome
         assert not orphaned, "the engine outlived its API server by 10 s"
         assert f"API server (pid {s.proc.pid}) is gone; engine core 0 exits" in s.read_log()
+    # its IPC dir stayed behind (nobody could remove it); the next start removes it
+    left = glob.glob(os.path.join(tempfile.gettempdir(), f"lane-ipc-{s.proc.pid}-*"))
+    assert len(left) == 1
+    subprocess.run([sys.executable, "-c", "import shutil; from lane.ipc_paths import make_ipc_dir; "
+                    "shutil.rmtree(make_ipc_dir('ipc'))"], check=True, timeout=60)
+    assert not os.path.exists(left[0])
 
 
 def _num_running(s: RemoteServer) -> float:

@@ -99,7 +99,13 @@ class WorkerProc:
             logger.error("worker rank %d: the engine at %s signs with another RPC secret than this node's "
                          "(LANE_RPC_SECRET / --rpc-secret-file must be node 0's); refusing it", rank, handle.remote_address)
             sys.exit(AUTH_REFUSED_EXIT)
+        # Fault injection, for tests only: LANE_FAULT_INJECT=worker_hang:R:N makes rank R stop
+        # answering at its N-th step (the engine's --worker-timeout must end the wait);
+        # worker_start_fail:R makes rank R fail to start
+        fault = os.environ.get("LANE_FAULT_INJECT", "").split(":")
         try:
+            if fault[0] == "worker_start_fail" and int(fault[1]) == rank:
+                raise RuntimeError("injected start-up failure (LANE_FAULT_INJECT)")
             from lane.worker.worker import Worker
 
             config = engine_args.create_engine_config()
@@ -111,9 +117,6 @@ class WorkerProc:
             time.sleep(0.5)
             sys.exit(1)
         send("ready", (os.getpid(), socket.gethostname(), worker.threads, tracer.drain() if tracer.enabled else []))
-        # Fault injection, for tests only: LANE_FAULT_INJECT=worker_hang:R:N makes rank R stop
-        # answering at its N-th step (the engine's --worker-timeout must end the wait)
-        fault = os.environ.get("LANE_FAULT_INJECT", "").split(":")
         hang_at = int(fault[2]) if fault[0] == "worker_hang" and int(fault[1]) == rank else 0
         steps = 0
         while True:
