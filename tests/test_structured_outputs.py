@@ -116,18 +116,55 @@ def test_a_complete_grammar_ends_the_answer_despite_min_tokens(llm):
         assert out.finish_reason == "stop"
 
 
+def test_a_bad_grammar_is_refused_before_queueing_and_no_failure_is_cached(llm):
+    """LLM.generate checks every spec before queueing anything: a regex that does not build is a
+    ValueError naming the field, and nothing is left in the engine. A compile that fails in the
+    engine all the same is not cached: the next request with that spec compiles it again."""
+    from lane.engine.messages import EngineCoreRequest
+
+    prompt = chat(llm, "When did the first moon landing happen?")
+    with pytest.raises(ValueError) as e:
+        llm.generate([prompt, prompt], [SamplingParams(max_tokens=8, structured_outputs=SO(regex=DATE)),
+                                        SamplingParams(max_tokens=8, structured_outputs=SO(regex="(("))],
+                     use_tqdm=False)
+    assert e.value.param == "structured_outputs" and "regex" in str(e.value)
+    assert not llm.engine.has_unfinished_requests() and not llm.output_processor.has_unfinished()
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, structured_outputs=SO(regex=DATE)),
+                       use_tqdm=False)[0].outputs[0]
+    assert re.fullmatch(DATE, out.text), out.text
+    # past the check (straight into the engine), the compile fails: the request fails, the cache keeps nothing
+    manager = llm.engine.scheduler.structured_output
+    bad = SO(regex="((")
+    for rid in ("bad-1", "bad-2"):
+        llm.engine.add_request(EngineCoreRequest(rid, prompt["prompt_token_ids"], SamplingParams(
+            max_tokens=4, structured_outputs=bad)))
+        manager.pending[rid][1].exception(timeout=30)  # compiled (and failed)
+        with pytest.raises(ValueError, match="failed to compile"):
+            llm.engine.step()
+        assert bad.key not in manager.cache
+        llm.engine.abort_requests([rid])
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_a_compiling_grammar_holds_back_only_its_request(smollm_gguf):
     """The compile thread is kept busy: the constrained request waits, the free one decodes;
-    once the thread is free the constrained one runs and its output matches."""
+    once the thread is free the constrained one runs and its output matches. The first
+    structured request's tokenizer tables are built in that thread too, not in the engine's
+    loop (~1 s that stalled every stream)."""
     from lane.engine.messages import EngineCoreRequest
 
     llm = LLM(smollm_gguf, kv_cache_memory_bytes=64 << 20, max_model_len=512, show_progress=False)
-    llm.generate(["warm"], SamplingParams(max_tokens=1, structured_outputs=SO(regex="a")), use_tqdm=False)
+    tok = llm.get_tokenizer()
+    t0 = time.perf_counter()
+    llm.engine.add_request(EngineCoreRequest("w", tok.encode("warm"), SamplingParams(
+        max_tokens=1, structured_outputs=SO(regex="a"))))
+    assert time.perf_counter() - t0 < 0.3  # the engine loop goes on at once
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
     manager = llm.engine.scheduler.structured_output
     gate = threading.Event()
     manager.pool.submit(gate.wait)  # the one compile thread, busy
     try:
-        tok = llm.get_tokenizer()
         llm.engine.add_request(EngineCoreRequest("c", tok.encode("The year is"), SamplingParams(
             temperature=0, max_tokens=8, structured_outputs=SO(regex=r" \d{4}"))))
         llm.engine.add_request(EngineCoreRequest("f", tok.encode("Once upon a time"),

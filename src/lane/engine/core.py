@@ -77,11 +77,12 @@ class EngineCore:
                     "on" if cc.enable_prefix_caching else "off", self.init_s)
 
     def _structured_output_manager(self):
-        """Made when the first request with structured outputs arrives: the tokenizer, xgrammar."""
+        """Made when the first request with structured outputs arrives; it loads the tokenizer
+        (and xgrammar's tables of it) in its compile thread, not in this loop."""
         from lane.structured_output.manager import StructuredOutputManager
 
         mc = self.config.model_config
-        return StructuredOutputManager(mc.get_tokenizer(), mc.hf_config.vocab_size, mc.eos_token_ids)
+        return StructuredOutputManager(mc.get_tokenizer, mc.hf_config.vocab_size, mc.eos_token_ids)
 
     @property
     def worker(self):

@@ -56,6 +56,10 @@ class InputProcessor:
         self.check_token_ids(prompt_token_ids, "prompt")
         # the sampler masks them before min_tokens: they must index the vocabulary
         self.check_token_ids(params.stop_token_ids, "stop_token_ids")
+        if params.structured_outputs is not None:  # a grammar that does not build fails here, not in the engine
+            from lane.structured_output import check
+
+            check(params.structured_outputs)
         if strict_max_tokens and params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
             raise ParamError("max_tokens", (
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you "

@@ -121,7 +121,7 @@ class SamplingRequest(OpenAIBaseModel):
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """The one constraint the request asks for, checked (a bad schema, regex or grammar is a
         ParamError naming its field), or None."""
-        from lane.structured_output import grammar_of
+        from lane.structured_output import check
 
         given: list[tuple[str, dict]] = self._tool_constraint()
         rf = self.response_format
@@ -148,7 +148,7 @@ class SamplingRequest(OpenAIBaseModel):
             params = StructuredOutputsParams(**fields)
         except ParamError as e:
             raise ParamError(param, str(e)) from None
-        grammar_of(params, param)  # refused here, before any compute
+        check(params, param)  # refused here, before any compute
         return params
 
     def _tool_constraint(self) -> list[tuple[str, dict]]:

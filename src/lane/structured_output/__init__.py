@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import OrderedDict
 
 from lane.sampling_params import ParamError, StructuredOutputsParams
 
@@ -35,3 +36,21 @@ def grammar_of(params: StructuredOutputsParams, param: str = "structured_outputs
         what = {"json": "JSON schema", "regex": "regex", "grammar": "EBNF grammar"}.get(kind, kind)
         msg = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(e).strip().splitlines()[0])  # xgrammar's source location
         raise ParamError(param, f"invalid {what}: {msg[:300]}") from None
+
+
+_CHECKED: OrderedDict[tuple[str, str], None] = OrderedDict()  # specs whose grammar builds (LRU)
+
+
+def check(params: StructuredOutputsParams, param: str = "structured_outputs") -> None:
+    """Refuse a spec whose grammar does not build (a ParamError naming ``param``), before it is
+    queued: the engine would fail on it mid-step. Specs that passed are remembered (the API
+    server checks each twice: its own field name first, then the engine's input check);
+    failures are not, so nothing about a bad spec sticks."""
+    key = params.key
+    if key in _CHECKED:
+        _CHECKED.move_to_end(key)
+        return
+    grammar_of(params, param)
+    _CHECKED[key] = None
+    while len(_CHECKED) > 256:
+        _CHECKED.popitem(last=False)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable
 
 import numpy as np
 
@@ -18,27 +19,36 @@ logger = logging.getLogger(__name__)
 
 
 class StructuredOutputManager:
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int], cache_size: int = 128) -> None:
-        import xgrammar as xgr
-
-        self._xgr = xgr
-        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                       stop_token_ids=list(eos_token_ids) or None)
+    def __init__(self, tokenizer: Callable[[], Any], vocab_size: int, eos_token_ids: list[int],
+                 cache_size: int = 128) -> None:
+        """``tokenizer``: a function that makes it (it is loaded in the compile thread)."""
         self.vocab_size = vocab_size
-        self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+        # the tokenizer tables (loading the tokenizer, importing xgrammar, its TokenizerInfo: ~1 s
+        # for a 49k vocabulary) are built in the compile thread, first: the engine loop that made
+        # this manager keeps stepping the other requests meanwhile
+        self.tables: Future = self.pool.submit(self._build_tables, tokenizer, vocab_size, eos_token_ids)
         self.cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self.cache_size = cache_size
         self.matchers: dict[str, object] = {}  # request id -> GrammarMatcher
         # requests still reasoning: request id -> (the end marker's ids, the last tokens seen)
         self.reasoning: dict[str, tuple[list[int], list[int]]] = {}
-        self.pending: dict[str, Future] = {}
+        self.pending: dict[str, tuple[tuple[str, str], Future]] = {}  # request id -> (spec, its compile)
         self.compile_seconds: dict[tuple[str, str], float] = {}
+
+    def _build_tables(self, tokenizer: Callable[[], Any], vocab_size: int, eos_token_ids: list[int]) -> None:
+        import xgrammar as xgr
+
+        self._xgr = xgr
+        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer(), vocab_size=vocab_size,
+                                                       stop_token_ids=list(eos_token_ids) or None)
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
 
     # -- grammars ------------------------------------------------------------------
     def _compile(self, params: StructuredOutputsParams):
         import time
 
+        self.tables.result()  # built before any compile (the same thread); raises if they failed
         t0 = time.perf_counter()
         compiled = self.compiler.compile_grammar(grammar_of(params))
         self.compile_seconds[params.key] = time.perf_counter() - t0
@@ -54,7 +64,7 @@ class StructuredOutputManager:
                 self.cache.popitem(last=False)
         else:
             self.cache.move_to_end(key)
-        self.pending[request_id] = fut
+        self.pending[request_id] = (key, fut)
         if params.reasoning_end:
             self.reasoning[request_id] = (list(params.reasoning_end), [])
 
@@ -64,11 +74,19 @@ class StructuredOutputManager:
 
     def ready(self, request_id: str) -> bool:
         """Whether the request's grammar is compiled (its matcher then exists)."""
-        fut = self.pending.get(request_id)
-        if fut is None:
+        entry = self.pending.get(request_id)
+        if entry is None:
             return True
+        key, fut = entry
         if not fut.done():
             return False
+        if (e := fut.exception()) is not None:
+            # never cached: the next request with this spec compiles it again. The request stays
+            # pending (it must not run unconstrained); the API server and LLM check every spec
+            # before queueing, so only a compile that fails where its check passed gets here
+            if self.cache.get(key) is fut:
+                del self.cache[key]
+            raise ValueError(f"request {request_id}: its structured outputs grammar failed to compile: {e}") from e
         del self.pending[request_id]
         self.matchers[request_id] = self._xgr.GrammarMatcher(fut.result())
         return True
