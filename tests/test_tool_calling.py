@@ -75,7 +75,8 @@ def test_named_and_required_tool_choice_give_valid_arguments(server):
                                  cases[:3]))
     for (city, choice, parallel), r in zip(cases, answers):
         ch = r.choices[0]
-        assert ch.finish_reason == "tool_calls", ch
+        # a named tool_choice finishes with stop (OpenAI, vLLM); required with tool_calls
+        assert ch.finish_reason == ("stop" if choice is named else "tool_calls"), ch
         calls = ch.message.tool_calls
         assert calls and (len(calls) == 1 or parallel)
         if choice is named:
@@ -84,7 +85,7 @@ def test_named_and_required_tool_choice_give_valid_arguments(server):
             assert tc.id.startswith("call_") and tc.type == "function"
             jsonschema.validate(json.loads(tc.function.arguments), SCHEMAS[tc.function.name])
     for r, (content, calls, finish) in zip(answers, streamed):  # the same calls, in OpenAI's deltas
-        assert finish == "tool_calls" and not content
+        assert finish == r.choices[0].finish_reason and not content
         assert [(s["name"], json.loads(s["arguments"])) for s in calls] == \
             [(tc.function.name, json.loads(tc.function.arguments)) for tc in r.choices[0].message.tool_calls]
 
@@ -125,6 +126,26 @@ def test_auto_tool_choice_parses_the_models_calls(server):
     # /tokenize renders the tools the same way a chat completion does
     tok = httpx.post(server.url + "/tokenize", json={"messages": kw["messages"], "tools": TOOLS}).json()
     assert tok["count"] == r.usage.prompt_tokens and "<tools>" in "".join(tok["token_strs"])
+
+
+def test_auto_tool_call_that_does_not_parse_is_content(server):
+    """The model imitates earlier turns that wrote <tool_call> without JSON: no call parses, so
+    the text is content with finish_reason stop, whole and streamed alike."""
+    c = server.client()
+    msgs = []
+    for city in ["London", "Madrid", "Rome"]:
+        msgs += [{"role": "user", "content": f"What's the weather in {city}?"},
+                 {"role": "assistant", "content": f"<tool_call>\nweather in {city}\n</tool_call>"},
+                 {"role": "user", "content": "Thanks."}, {"role": "assistant", "content": "You are welcome."}]
+    kw = dict(model=server.model, messages=msgs + [{"role": "user", "content": "What's the weather in Paris?"}],
+              tools=TOOLS, temperature=0, max_tokens=30)
+    with ThreadPoolExecutor(2) as pool:
+        whole = pool.submit(c.chat.completions.create, **kw)
+        stream = pool.submit(lambda: _streamed_calls(c.chat.completions.create(**kw, stream=True)))
+    ch = whole.result().choices[0]
+    assert "<tool_call>" in ch.message.content and ch.message.tool_calls == [], ch  # the case at stake
+    assert ch.finish_reason == "stop"
+    assert stream.result() == (ch.message.content, [], "stop")
 
 
 def _think_shots(question: str) -> list[dict]:

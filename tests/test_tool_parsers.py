@@ -213,3 +213,20 @@ def test_stop_tokens_never_reach_content_when_special_tokens_are_kept(smollm_tok
                             assert c.token_ids == gen  # the stop token is kept in token_ids
                             content = parser.parse(c.text).content
                 assert content == want, (name, stream, content)
+
+
+@pytest.mark.parametrize("text", ["<tool_call>\nweather Paris\n</tool_call>", "Sure. <tool_call>{\"city\": \"Paris\"}",
+                                  "<tool_call>\n{\"name\": 3, \"arguments\": {}}\n</tool_call> done"])
+def test_hermes_call_that_never_parses_streams_as_content(text):
+    """A <tool_call> whose JSON never parses (no call, no name): streamed, its text comes out as
+    content at the end and no call was made (finish_reason stop), as the whole output parses."""
+    whole = ChatOutputParser(None, HermesToolParser()).parse(text)
+    assert whole.tool_calls == [] and whole.content == text
+    for seed in range(5):
+        p, content = ChatOutputParser(None, HermesToolParser()), ""
+        pieces = _pieces(text, seed)
+        for i, piece in enumerate(pieces):
+            d = p.delta(piece, i == len(pieces) - 1)
+            assert d is None or not d.tool_calls
+            content += (d.content or "") if d else ""
+        assert content == text and not p.called_tools

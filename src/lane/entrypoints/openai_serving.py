@@ -476,7 +476,7 @@ class OpenAIServing:
                     content=parsed.content, reasoning_content=parsed.reasoning_content,
                     tool_calls=[ToolCallItem(id=tc.id, function=FunctionCall(name=tc.name, arguments=tc.arguments))
                                 for tc in parsed.tool_calls])
-                if parsed.tool_calls and finish == "stop":
+                if parsed.tool_calls and finish == "stop" and parsers[c.index].finishes_with_tool_calls:
                     finish = "tool_calls"
             choices.append(ChatChoice(index=c.index, message=message, finish_reason=finish,
                                       stop_reason=c.stop_reason,
@@ -509,7 +509,7 @@ class OpenAIServing:
                         p = parsers[c.index]
                         d = p.delta(c.text, finish is not None)
                         delta = _delta_dict(d) if d is not None else {}
-                        if finish == "stop" and p.called_tools:
+                        if finish == "stop" and p.called_tools and p.finishes_with_tool_calls:
                             finish = "tool_calls"
                     if not delta and finish is None and (not request.logprobs or not c.token_ids):
                         continue

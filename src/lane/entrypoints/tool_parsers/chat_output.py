@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from lane.entrypoints.tool_parsers.forced import NamedToolParser
 from lane.entrypoints.tool_parsers.reasoning import DeepSeekR1ReasoningParser
 from lane.entrypoints.tool_parsers.types import DeltaMessage, ToolCall, ToolParser
 
@@ -51,7 +52,12 @@ class ChatOutputParser:
 
     @property
     def called_tools(self) -> bool:
-        return self.tools is not None and bool(self.tools.ids)
+        return self.tools is not None and self.tools.called
+
+    @property
+    def finishes_with_tool_calls(self) -> bool:
+        """finish_reason tool_calls once calls are made; a named tool_choice keeps stop (OpenAI, vLLM)."""
+        return not isinstance(self.tools, NamedToolParser)
 
 
 def _join(a: DeltaMessage | None, b: DeltaMessage | None) -> DeltaMessage | None:

@@ -159,9 +159,15 @@ class ToolParser:
                     self.args_sent[k] = len(call.arguments)
         return out if out.content or out.tool_calls else None
 
+    @property
+    def called(self) -> bool:
+        """Whether a call went out (its name sent): the stream is then a tool-call answer."""
+        return any(n >= 0 for n in self.args_sent)
+
     def finish(self) -> DeltaMessage | None:
-        """The end of the output: content held back as a possible marker goes out."""
-        if self.ids or self.content_sent >= len(self.text):
+        """The end of the output: what was held back goes out as content, a possible marker, or
+        a call that never parsed (no name sent): then it is text, as ``extract`` says."""
+        if self.called or self.content_sent >= len(self.text):
             return None
         rest, self.content_sent = self.text[self.content_sent:], len(self.text)
         return DeltaMessage(content=rest)
