@@ -251,3 +251,28 @@ def test_unknown_fields_are_logged_and_counted(server):
     assert metric(text, "lane:request_ignored_fields_total", field="best_of_everything") >= 1
     assert metric(text, "lane:request_ignored_fields_total", field="tool_choice") >= 1
     assert "fields were present in the request but ignored: best_of_everything, tool_choice" in server.read_log()
+
+
+def test_nested_unknown_fields_and_strict_false_are_said(server):
+    """Unknown keys inside structured_outputs / response_format, and json_schema.strict false
+    (lane enforces every schema strictly), are warned about and counted like top-level ones."""
+    import httpx2 as httpx
+
+    from utils import metric
+
+    c = server.client()
+    model = c.models.list().data[0].id
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    r = c.chat.completions.create(model=model, messages=[{"role": "user", "content": "JSON please"}], max_tokens=40,
+                                  temperature=0, response_format={"type": "json_schema", "json_schema": {
+                                      "name": "A", "schema": schema, "strict": False, "colour": "red"}})
+    assert isinstance(json.loads(r.choices[0].message.content)["a"], int)
+    c.completions.create(model=model, prompt="The year", max_tokens=6, temperature=0,
+                         extra_body={"structured_outputs": {"regex": r" \d{4}", "whitespace_pattern": " "}})
+    text = httpx.get(server.url + "/metrics").text
+    for field in ("response_format.json_schema.strict", "response_format.json_schema.colour",
+                  "structured_outputs.whitespace_pattern"):
+        assert metric(text, "lane:request_ignored_fields_total", field=field) >= 1, field
+    log = server.read_log()
+    assert "ignored: response_format.json_schema.colour, response_format.json_schema.strict" in log
+    assert "ignored: structured_outputs.whitespace_pattern" in log

@@ -279,6 +279,15 @@ class OpenAIServing:
         return chunks
 
     @staticmethod
+    def _continuous_usage(request: SamplingRequest, prompt_tokens: int, completion_tokens: int) -> dict:
+        """stream_options.continuous_usage_stats (with include_usage, as vLLM): each chunk's usage so far."""
+        so = request.stream_options
+        if so is None or not (so.include_usage and so.continuous_usage_stats):
+            return {}
+        return {"usage": UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                                   total_tokens=prompt_tokens + completion_tokens).model_dump(exclude_none=True)}
+
+    @staticmethod
     def _usage(finals: list[RequestOutput]) -> UsageInfo:
         prompt = sum(len(r.prompt_token_ids) for r in finals)
         completion = sum(len(c.token_ids) for r in finals for c in r.outputs)
@@ -339,7 +348,9 @@ class OpenAIServing:
                 for t, ids in prompts]
         num_lp = request.logprobs or 0
         if request.stream:
-            return StreamingResponse(self._stream_completion(rid, model, handles, n, echo, request, num_lp),
+            num_prompt_tokens = sum(len(ids) for _, ids in prompts)
+            return StreamingResponse(self._stream_completion(rid, model, handles, n, echo, request, num_lp,
+                                                             num_prompt_tokens),
                                      media_type="text/event-stream", headers=self._headers(handles))
         finals = await self._finals(raw_request, handles)
         if finals is None:  # the client went away; its requests were aborted
@@ -356,7 +367,8 @@ class OpenAIServing:
         return self._respond(resp, request, finals, handles)
 
     async def _stream_completion(self, rid: str, model: str, handles: list[RequestStream], n: int,
-                                 echo: list[str], request: CompletionRequest, num_lp: int) -> AsyncIterator[str]:
+                                 echo: list[str], request: CompletionRequest, num_lp: int,
+                                 num_prompt_tokens: int) -> AsyncIterator[str]:
         offsets = {}
         finals: list[RequestOutput | None] = [None] * len(handles)
         tokens = [[0] * n for _ in handles]
@@ -383,7 +395,8 @@ class OpenAIServing:
                                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
                 if choices:
                     t0 = time.monotonic()
-                    chunk = sse({**base, "choices": choices})
+                    chunk = sse({**base, "choices": choices,
+                                 **self._continuous_usage(request, num_prompt_tokens, sum(map(sum, tokens)))})
                     trace_chunk(handles[i].request_id, t0, sent[i], len(choices))
                     sent[i] += 1
                     yield chunk
@@ -462,7 +475,7 @@ class OpenAIServing:
         model = request.model or self.served_model_names[0]
         num_lp = request.top_logprobs or 0
         if request.stream:
-            return StreamingResponse(self._stream_chat(rid, model, handles[0], n, request, num_lp, parsers),
+            return StreamingResponse(self._stream_chat(rid, model, handles[0], n, request, num_lp, parsers, ids),
                                      media_type="text/event-stream", headers=self._headers(handles))
         finals = await self._finals(raw_request, handles)
         if finals is None:  # the client went away; its requests were aborted
@@ -486,7 +499,7 @@ class OpenAIServing:
 
     async def _stream_chat(self, rid: str, model: str, handle: RequestStream, n: int,
                            request: ChatCompletionRequest, num_lp: int,
-                           parsers: list[ChatOutputParser] | None) -> AsyncIterator[str]:
+                           parsers: list[ChatOutputParser] | None, prompt_ids: list[int]) -> AsyncIterator[str]:
         base = ChatCompletionChunk(id=rid, model=model, choices=[]).model_dump(exclude={"usage"})
         finished: set[int] = set()
         completion_tokens = 0
@@ -494,7 +507,8 @@ class OpenAIServing:
         final: RequestOutput | None = None
         try:
             yield sse({**base, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                            "logprobs": None, "finish_reason": None} for i in range(n)]})
+                                            "logprobs": None, "finish_reason": None} for i in range(n)],
+                       **self._continuous_usage(request, len(prompt_ids), 0)})
             async for out in self.engine.outputs(handle):
                 final = out
                 choices = []
@@ -521,7 +535,8 @@ class OpenAIServing:
                         "finish_reason": finish, "stop_reason": c.stop_reason})
                 if choices:
                     t0 = time.monotonic()
-                    chunk = sse({**base, "choices": choices})
+                    chunk = sse({**base, "choices": choices,
+                                 **self._continuous_usage(request, len(prompt_ids), completion_tokens)})
                     trace_chunk(handle.request_id, t0, sent, len(choices))
                     sent += 1
                     yield chunk

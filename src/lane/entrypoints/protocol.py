@@ -69,6 +69,22 @@ class StructuredOutputs(OpenAIBaseModel):
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
 
+# the request's nested objects whose unknown keys are named too ("structured_outputs.whitespace_pattern")
+NESTED_FIELDS = {"response_format": ResponseFormat, "structured_outputs": StructuredOutputs,
+                 "stream_options": StreamOptions, "json_schema": JsonSchemaFormat}
+
+
+def _unknown_keys(model: type[BaseModel], data: dict, prefix: str) -> list[str]:
+    known = set(model.model_fields) | {f.alias for f in model.model_fields.values() if f.alias}
+    out = []
+    for k, v in data.items():
+        if k not in known:
+            out.append(prefix + k)
+        elif k in NESTED_FIELDS and isinstance(v, dict):
+            out += _unknown_keys(NESTED_FIELDS[k], v, f"{prefix}{k}.")
+    return out
+
+
 class SamplingRequest(OpenAIBaseModel):
     """Fields common to completions and chat completions. Top-level fields lane does not
     implement are ignored, not silently: they are kept in ``ignored_fields`` (the server logs
@@ -80,8 +96,12 @@ class SamplingRequest(OpenAIBaseModel):
     def _note_ignored_fields(cls, data: Any, handler):
         request = handler(data)
         if isinstance(data, dict):
-            known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
-            request._ignored_fields = sorted(k for k in data if k not in known)
+            ignored = _unknown_keys(cls, data, "")
+            rf = data.get("response_format")
+            js = rf.get("json_schema") if isinstance(rf, dict) else None
+            if isinstance(js, dict) and js.get("strict") is False:  # every schema is enforced strictly
+                ignored.append("response_format.json_schema.strict")
+            request._ignored_fields = sorted(ignored)
         return request
 
     @property
