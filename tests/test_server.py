@@ -221,8 +221,30 @@ def test_metrics(server, client):
     assert after - before >= 32
 
 
+def test_continuous_usage_stats_in_every_chunk(client):
+    """stream_options.continuous_usage_stats (with include_usage): every chunk carries the usage
+    so far; its completion tokens grow to the final usage chunk's."""
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    for create, kw in ((client.completions.create, dict(prompt=PROMPTS[0])),
+                       (client.chat.completions.create, dict(messages=[{"role": "user", "content": "Hi!"}]))):
+        chunks = list(create(model=MODEL, max_tokens=12, temperature=0, stream=True, stream_options=opts,
+                             extra_body={"ignore_eos": True}, **kw))
+        final = chunks[-1].usage
+        assert not chunks[-1].choices and final.completion_tokens == 12
+        seen = [ch.usage for ch in chunks[:-1]]
+        assert all(u is not None and u.prompt_tokens == final.prompt_tokens for u in seen)
+        counts = [u.completion_tokens for u in seen]
+        assert counts == sorted(counts) and counts[-1] == 12
+        assert all(u.total_tokens == u.prompt_tokens + u.completion_tokens for u in seen)
+    # without it, only the last chunk has usage
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert [ch.usage is not None for ch in chunks] == [False] * (len(chunks) - 1) + [True]
+
+
 def test_disconnect_frees_kv_blocks(server):
     idle = metric(httpx.get(server.url + "/metrics").text, "vllm:kv_cache_usage_perc")
+    aborted = metric(httpx.get(server.url + "/metrics").text, "vllm:request_success_total", finished_reason="abort")
     body = {"model": MODEL, "prompt": PROMPTS[3], "max_tokens": 1500, "ignore_eos": True, "stream": True,
             "temperature": 0}
     with httpx.Client(timeout=60) as h:
@@ -254,3 +276,5 @@ def test_disconnect_frees_kv_blocks(server):
         time.sleep(0.2)
     assert metric(text, "vllm:num_requests_running") == 0
     assert metric(text, "vllm:kv_cache_usage_perc") == idle
+    # the 5 requests whose clients left count as finished with reason abort (vLLM's label)
+    assert metric(text, "vllm:request_success_total", finished_reason="abort") - aborted == 5

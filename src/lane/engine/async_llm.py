@@ -188,7 +188,10 @@ class AsyncLLM:
 
     def abort(self, request_id: str) -> None:
         handle = self.streams.pop(request_id, None)
-        child_ids = self.output_processor.abort(request_id)
+        stats = IterationStats()
+        child_ids = self.output_processor.abort(request_id, stats)
+        if handle is not None and stats.finished:  # vllm:request_success_total{finished_reason="abort"}
+            self.prometheus.record(handle.engine_index, None, stats)
         if handle is not None and child_ids:
             try:
                 self.client.abort_requests(handle.engine_index, child_ids)

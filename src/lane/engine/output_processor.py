@@ -162,12 +162,18 @@ class OutputProcessor:
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outs,
                              state.finished, state.num_cached_tokens, metrics)
 
-    def abort(self, request_id: str) -> list[str]:
-        """Forget a request; returns its child ids (to abort in the engine)."""
+    def abort(self, request_id: str, iteration_stats: IterationStats | None = None) -> list[str]:
+        """Forget a request; returns its child ids (to abort in the engine). With
+        iteration_stats, its unfinished children are counted there as finished by abort."""
         state = self.states.get(request_id)
         if state is None:
             return []
         self._remove(request_id)
+        if iteration_stats is not None:
+            now = time.monotonic()
+            for c in state.children.values():
+                if c.finish_reason is None and c.stats is not None:
+                    iteration_stats.finished.append(c.stats.finish(now, "abort", len(state.prompt_token_ids)))
         return list(state.children)
 
     def _remove(self, pid: str) -> None:
