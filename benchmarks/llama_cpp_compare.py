@@ -1,6 +1,6 @@
 """lane against llama.cpp on the same GGUF file (the packaged SmolLM2-135M-Instruct Q4_1), one run.
 
-1. llama-bench -t <cores> -p 512 -n 128 (pp512, tg128) against lane's 512-token prefill and
+1. llama-bench -t <threads> -p 512 -n 128 (pp512, tg128) against lane's 512-token prefill and
    batch-1 decode (128 tokens after a 128-token prompt), for lane's quantized path
    (`--quantization auto`, the CPU's fastest dtype) and today's float32 path
    (`--quantization none --dtype float32`), each lane path in its own process.
@@ -16,7 +16,9 @@ llama.cpp is built once from the pinned llama-cpp-python sdist (peers.llama_cpp_
 minutes on 2 cores the first time). Every peer figure printed is measured in this run. The full
 run takes about 12 minutes on 2 cores, --quick about 4.
 
-    python benchmarks/llama_cpp_compare.py [--quick] [--concurrency 1 8 32]
+    python benchmarks/llama_cpp_compare.py [--quick] [--concurrency 1 8 32] [--threads N]
+
+Both sides run on the same --threads (default: the CPUs this process may use).
 
 Targets (issue 14): decode >= 1.0x tg128, prefill >= 1.0x pp512, serving output tok/s at
 concurrency 8 >= 1.5x llama-server, quantized decode >= 3x the float32 path. The last line is
@@ -38,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cold_start import wait_healthy  # noqa: E402
 from offline_throughput import check_quiet, concrete_dtype  # noqa: E402
 from peers import free_port, llama_cpp_bin_dir, smollm_gguf_path  # noqa: E402
-from quantized_decode import lane_speed  # noqa: E402
+from quantized_decode import HERE, RUN  # noqa: E402
 from serving import stop  # noqa: E402
 
 SERVED = "smollm2"
@@ -48,6 +50,49 @@ TARGETS = {"decode_vs_tg128": 1.0, "prefill_vs_pp512": 1.0, "serve_c8_vs_llama_s
 
 def say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+def lane_speed_code(dtype: str, quantization: str, gguf: str, threads: int) -> str:
+    """quantized_decode's batch-1 decode and prefill measurement, with lane on ``threads`` threads."""
+    code = RUN % {"here": HERE, "model": gguf, "dtype": dtype, "q": quantization, "batch": False}
+    assert code.count("show_progress=False,") == 1, "quantized_decode.RUN changed: pass threads another way"
+    return code.replace("show_progress=False,", f"threads={threads}, show_progress=False,")
+
+
+def lane_speed(dtype: str, quantization: str, gguf: str, threads: int) -> dict:
+    p = subprocess.run([sys.executable, "-c", lane_speed_code(dtype, quantization, gguf, threads)],
+                       capture_output=True, text=True, env={**os.environ, "LANE_LOGGING_LEVEL": "WARNING"})
+    if p.returncode:
+        raise RuntimeError(f"lane {dtype} {quantization} failed:\n{p.stderr[-3000:]}")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def llama_server_argv(bin_dir: str, gguf: str, port: int, threads: int, ctx: int) -> list[str]:
+    # --no-cache-prompt: lane serves with --no-enable-prefix-caching; neither reuses KV.
+    return [os.path.join(bin_dir, "llama-server"), "-m", gguf, "-t", str(threads), "-np", "8", "-c", str(ctx),
+            "--no-cache-prompt", "--host", "127.0.0.1", "--port", str(port), "--alias", SERVED]
+
+
+def lane_serve_argv(gguf: str, port: int, threads: int) -> list[str]:
+    return [sys.executable, "-m", "lane.entrypoints.cli", "serve", gguf, "--quantization", "auto",
+            "--port", str(port), "--served-model-name", SERVED, "--no-enable-prefix-caching",
+            "--max-model-len", "4096", "--threads", str(threads)]
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="smoke run: 1 llama-bench rep, concurrency 8 only, "
+                                                         "16 requests of 64 output tokens")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=None, help="default 1 8 32")
+    ap.add_argument("--input-len", type=int, default=256)
+    ap.add_argument("--output-len", type=int, default=None, help="default 128")
+    # one thread count for both sides (llama.cpp's -t, lane's --threads), else the figures compare
+    # thread counts, not engines; by default the CPUs this process may use (its affinity, not the
+    # machine's cores: a container or taskset gives fewer)
+    ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
+                    help="threads of both llama.cpp (-t) and lane (--threads); default: the CPUs this process "
+                         "may use")
+    return ap
 
 
 def llama_bench(bin_dir: str, gguf: str, threads: int, reps: int) -> dict:
@@ -116,13 +161,7 @@ def serve_and_bench(name: str, argv: list[str], port: int, gguf: str, levels: li
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="smoke run: 1 llama-bench rep, concurrency 8 only, "
-                                                         "16 requests of 64 output tokens")
-    ap.add_argument("--concurrency", type=int, nargs="+", default=None, help="default 1 8 32")
-    ap.add_argument("--input-len", type=int, default=256)
-    ap.add_argument("--output-len", type=int, default=None, help="default 128")
-    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama.cpp's -t")
+    ap = parser()
     args = ap.parse_args()
     levels = args.concurrency or ([8] if args.quick else [1, 8, 32])
     args.output_len = args.output_len or (64 if args.quick else 128)
@@ -139,7 +178,7 @@ def main() -> None:
     say("[3/5] lane decode and prefill, quantized path then float32 path")
     lane = {}
     for key, (dt, q) in {"auto": (dtype, "auto"), "float32": ("float32", "none")}.items():
-        lane[key] = lane_speed(dt, q, gguf, batch=False)
+        lane[key] = lane_speed(dt, q, gguf, args.threads)
         say(f"  lane {key} ({dt}, --quantization {q}): decode {lane[key]['decode_tok_s']:.1f} tok/s, "
             f"prefill {lane[key]['prefill_tok_s']:.1f} tok/s")
 
@@ -147,17 +186,12 @@ def main() -> None:
     ctx = 8 * (args.input_len + args.output_len + 64)  # 8 slots, each one request plus a margin
     port = free_port()
     say("[4/5] serving: llama-server")
-    # --no-cache-prompt: lane serves with --no-enable-prefix-caching; neither reuses KV.
-    server = serve_and_bench("llama-server", [
-        os.path.join(bin_dir, "llama-server"), "-m", gguf, "-t", str(args.threads), "-np", "8",
-        "-c", str(ctx), "--no-cache-prompt", "--host", "127.0.0.1", "--port", str(port), "--alias", SERVED],
-        port, gguf, levels, counts, args, tmp)
+    server = serve_and_bench("llama-server", llama_server_argv(bin_dir, gguf, port, args.threads, ctx),
+                             port, gguf, levels, counts, args, tmp)
     port = free_port()
     say("[5/5] serving: lane serve")
-    served = serve_and_bench("lane", [
-        sys.executable, "-m", "lane.entrypoints.cli", "serve", gguf, "--quantization", "auto",
-        "--port", str(port), "--served-model-name", SERVED, "--no-enable-prefix-caching",
-        "--max-model-len", "4096"], port, gguf, levels, counts, args, tmp)
+    served = serve_and_bench("lane", lane_serve_argv(gguf, port, args.threads), port, gguf, levels, counts,
+                             args, tmp)
 
     r = lambda a, b: round(a / b, 2)
     fig = {"gguf": os.path.basename(gguf), "lane_dtype": dtype, "threads": args.threads,
