@@ -534,9 +534,12 @@ def test_request_events_with_log_events():
 
 def test_drafts_scheduled_in_budget_rolled_back_and_never_cached():
     """Blocks of 4. A 6-token prompt samples t and drafts 5: the next step computes positions
-    6..11 (3 blocks). The target accepts none: computed falls to 7, the block holding only
-    positions 8..11 goes back to the pool (step 48), only block 0 (verified) is cached, and
-    the next step hands the runner the cut tables whole."""
+    6..11 (3 blocks). The target accepts none and drafts 5 more: computed falls to 7 and the
+    3 blocks stay, as the next step's 1 + 5 tokens need them (given back, the next step would
+    take another block from the free queue's head and evict a cached one). Only block 0
+    (verified) is cached. Two accepted and no drafts after: the block past the tokens goes
+    back to the free queue's head, the next step hands the runner the cut tables whole, and
+    the step after that takes that block again."""
     from lane.config import SpeculativeConfig
 
     sched = Scheduler(SchedulerConfig(64, 8, 256), KVCacheConfig([KVCacheGroupSpec(FULL, BS, [], [])], [16]),
@@ -551,24 +554,36 @@ def test_drafts_scheduled_in_budget_rolled_back_and_never_cached():
     assert out.num_scheduled_tokens == {"a": 6} and out.scheduled_spec_decode_tokens == {"a": [51, 52, 53, 54, 55]}
     assert sched.kv.get_block_ids("a") == ([1, 2, 3],)
     sched.drain_events()
-    outputs = sched.update_from_output(out, ModelRunnerOutput(["a"], [[60]], spec_token_ids=[[61, 62]]))
+    outputs = sched.update_from_output(out, ModelRunnerOutput(["a"], [[60]], spec_token_ids=[toks(61, 5)]))
     assert outputs[0].new_token_ids == [60]
     assert a.all_token_ids == toks(10, 6) + [50, 60] and a.num_computed_tokens == 7
-    assert sched.kv.get_block_ids("a") == ([1, 2],)  # block 3 held only rejected drafts
-    assert [b.block_hash is not None for b in (sched.kv.pool.blocks[1], sched.kv.pool.blocks[2])] == [True, False]
+    assert sched.kv.get_block_ids("a") == ([1, 2, 3],)  # 8 tokens + 5 drafts: 4 blocks next step
+    assert [sched.kv.pool.blocks[i].block_hash is not None for i in (1, 2, 3)] == [True, False, False]
     (rollback,) = [e for e in sched.drain_events() if e.step == Step.KV_ROLLBACK]
-    assert rollback.attrs == dict(drafts=5, accepted=0, rejected=5, blocks_freed=1, computed_tokens=7)
+    assert rollback.attrs == dict(drafts=5, accepted=0, rejected=5, blocks_freed=0, computed_tokens=7)
+    out = sched.schedule()
+    assert out.scheduled_spec_decode_tokens == {"a": toks(61, 5)}
+    assert cached(out) == [("a", False, ([4],), 7)]
+    sched.update_from_output(out, ModelRunnerOutput(["a"], [[61, 62, 80]]))  # two accepted, no drafts
+    assert a.all_token_ids[-4:] == [60, 61, 62, 80] and a.num_computed_tokens == 10
+    assert sched.kv.get_block_ids("a") == ([1, 2, 3],) and list(sched.kv.pool.free_queue)[:2] == [4, 5]
+    (rollback,) = [e for e in sched.drain_events() if e.step == Step.KV_ROLLBACK]
+    assert rollback.attrs == dict(drafts=5, accepted=2, rejected=3, blocks_freed=1, computed_tokens=10)
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"a": 1}
+    assert out.scheduled_cached_reqs.block_ids_replaced == [True]
+    assert out.scheduled_cached_reqs.new_block_ids == [([1, 2, 3],)]  # the whole table
+    sched.update_from_output(out, ModelRunnerOutput(["a"], [[90]], spec_token_ids=[[91, 92]]))
     # partly accepted, within a budget that cuts the drafts: 1 pending + 1 of the 2 drafts
     sched.config.max_num_batched_tokens = 2
     out = sched.schedule()
-    assert out.num_scheduled_tokens == {"a": 2} and out.scheduled_spec_decode_tokens == {"a": [61]}
-    assert out.scheduled_cached_reqs.block_ids_replaced == [True]
-    assert out.scheduled_cached_reqs.new_block_ids == [([1, 2, 4],)]  # the whole table (3 went to the tail)
-    sched.update_from_output(out, ModelRunnerOutput(["a"], [[61, 70]]))
-    assert a.all_token_ids[-3:] == [60, 61, 70] and a.num_computed_tokens == 9 and a.spec_token_ids == []
+    assert out.num_scheduled_tokens == {"a": 2} and out.scheduled_spec_decode_tokens == {"a": [91]}
+    assert cached(out) == [("a", False, ([4],), 11)]  # block 4 again, from the queue's head
+    sched.update_from_output(out, ModelRunnerOutput(["a"], [[91, 100]]))
+    assert a.all_token_ids[-3:] == [90, 91, 100] and a.num_computed_tokens == 13 and a.spec_token_ids == []
     s = sched.make_stats().spec_decoding
-    assert (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens) == (2, 6, 1)
-    assert s.num_accepted_tokens_per_pos == [1, 0, 0, 0, 0]
+    assert (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens) == (3, 11, 3)
+    assert s.num_accepted_tokens_per_pos == [2, 1, 0, 0, 0]
     # preemption drops the drafts
     a.spec_token_ids = [80, 81]
     sched._preempt(sched.running.pop())

@@ -395,3 +395,33 @@ def test_logprobs_of_accepted_drafts_equal_without(smollm_gguf, lane_smollm_fp32
         for t in a:
             assert a[t].rank == b[t].rank and abs(a[t].logprob - b[t].logprob) < 1e-4
     assert abs(got.cumulative_logprob - want.cumulative_logprob) < 1e-3
+
+
+def test_rejected_drafts_evict_no_cached_blocks(tiny):
+    """A 12-block pool (11 usable) with prefix caching: an 80-token prompt leaves 5 cached
+    blocks, then another request decodes 50 tokens in the 6 blocks left, with MTP k = 2 whose
+    drafts the target rejects. It evicts no more cached blocks than the run without drafts
+    (none), so the first prompt hits as much of the cache again. (Before: each rejection gave
+    back the block of the drafts' and lookahead slots, the next step took another from the
+    head of the free queue, a cached block; 5 evictions, no hit left.)"""
+    path, spec = tiny("deepseek_v3"), {"method": "mtp", "num_speculative_tokens": 2}
+    first, second = [{"prompt_token_ids": p} for p in _prompts((80, 20), seed=5)]
+    sp = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    evictions, rehits, outs = [], [], []
+    for s in (None, spec):
+        page = _tiny(path, s).engine.kv_cache_config.groups[0].page_size_bytes  # MTP adds its layer's cache
+        llm = _tiny(path, s, kv_cache_memory_bytes=12 * page, max_model_len=128)
+        assert llm.engine.kv_cache_config.num_blocks == [12]
+        llm.generate([first], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+        pool = llm.engine.scheduler.kv.pool
+        assert len(pool.cached) == 5 and pool.num_evictions == 0
+        outs.append(_ids(llm.generate([second], sp, use_tqdm=False)))
+        evictions.append(pool.num_evictions)
+        hits = llm.prefix_cache_stats.hits
+        llm.generate([first], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+        rehits.append(llm.prefix_cache_stats.hits - hits)
+    st = llm.engine.scheduler.make_stats().spec_decoding
+    assert st.num_draft_tokens > 40 and st.num_accepted_tokens < st.num_draft_tokens  # rejections
+    assert outs[1] == outs[0]
+    assert evictions[1] <= evictions[0] and rehits[1] == rehits[0] == 64, (evictions, rehits)
+

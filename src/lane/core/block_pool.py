@@ -43,6 +43,7 @@ class BlockPool:
         self.free_queue: OrderedDict[int, KVCacheBlock] = OrderedDict(
             (b.block_id, b) for b in self.blocks[1:])
         self.cached: dict[bytes, KVCacheBlock] = {}
+        self.num_evictions = 0  # cached blocks handed out again (their hash dropped from the map)
 
     @property
     def num_blocks(self) -> int:
@@ -75,20 +76,24 @@ class BlockPool:
             if b.block_hash is not None:  # evict from the prefix cache
                 if self.cached.get(b.block_hash) is b:
                     del self.cached[b.block_hash]
+                    self.num_evictions += 1
                 b.block_hash = None
             b.ref_cnt = 1
             out.append(b)
         return out
 
-    def free_blocks(self, blocks: list[KVCacheBlock]) -> None:
-        """Drop a reference; blocks reaching zero go to the tail of the free queue.
-        Callers pass a request's blocks in reverse, so its tail is evicted first."""
+    def free_blocks(self, blocks: list[KVCacheBlock], front: bool = False) -> None:
+        """Drop a reference; blocks reaching zero go to the tail of the free queue (callers
+        pass a request's blocks in reverse, so its tail is evicted first), or with ``front``
+        to its head: blocks that hold nothing worth caching, handed out before any that do."""
         for b in blocks:
             b.ref_cnt -= 1
             if b.ref_cnt == 0:
                 if not self.enable_caching:
                     b.block_hash = None
                 self.free_queue[b.block_id] = b
+                if front:
+                    self.free_queue.move_to_end(b.block_id, last=False)
 
     def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
         block.block_hash = block_hash

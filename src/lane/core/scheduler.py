@@ -245,8 +245,9 @@ class Scheduler:
                 self.kv.cache_blocks(req)
                 continue  # a prefill chunk that is not the last one
             sampled = runner_output.sampled_token_ids[i]
+            t_rollback = time.monotonic() if self.events is not None else 0.0
             if drafts := sched.scheduled_spec_decode_tokens.get(rid):
-                self._rollback(req, len(drafts), len(sampled) - 1)
+                req.num_computed_tokens -= len(drafts) - (len(sampled) - 1)  # step 48: the rejected
             logprobs = runner_output.logprobs[i] if runner_output.logprobs is not None else None
             new_ids: list[int] = []
             status = None
@@ -264,6 +265,8 @@ class Scheduler:
             self.kv.cache_blocks(req)  # verified tokens only: drafts never reach the prefix cache
             req.spec_token_ids = (runner_output.spec_token_ids[i] if runner_output.spec_token_ids
                                   and status is None else [])
+            if drafts:
+                self._rollback(req, len(drafts), len(sampled) - 1, status is None, t_rollback)
             out = EngineCoreOutput(rid, new_ids, logprobs[:len(new_ids)] if logprobs is not None else None,
                                    num_cached_tokens=max(req.num_cached_tokens, 0))
             if req.num_output_tokens == len(new_ids):  # its first tokens
@@ -276,14 +279,16 @@ class Scheduler:
             outputs.append(out)
         return outputs
 
-    def _rollback(self, req: Request, num_drafts: int, num_accepted: int) -> None:
-        """Step 48: computed tokens fall back by the rejected drafts; blocks that held only
-        rejected drafts (and lookahead slots) go back to the pool."""
-        t0 = time.monotonic() if self.events is not None else 0.0
+    def _rollback(self, req: Request, num_drafts: int, num_accepted: int, running: bool, t0: float) -> None:
+        """Step 48, after computed tokens fell back by the rejected drafts: blocks past what the
+        next step allocates (its pending token, drafts and lookahead slots) go back to the pool.
+        Those it will use stay: given back, the next step would take others from the free
+        queue's head, evicting a cached prefix block each time."""
         rejected = num_drafts - num_accepted
-        req.num_computed_tokens -= rejected
         self.spec_stats.observe(num_drafts, num_accepted)
-        freed = self.kv.free_unused_slots(req, req.num_computed_tokens + 1) if rejected else 0
+        freed = 0
+        if rejected and running:
+            freed = self.kv.free_unused_slots(req, req.num_tokens + len(req.spec_token_ids) + self.num_lookahead)
         req.blocks_trimmed |= freed > 0
         if self.events is not None:
             self._event(Step.KV_ROLLBACK, t0, time.monotonic(), req, drafts=num_drafts, accepted=num_accepted,

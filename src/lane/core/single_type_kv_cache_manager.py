@@ -80,15 +80,16 @@ class SingleTypeKVCacheManager:
         """Release blocks no future query can see (only a sliding window has any)."""
 
     def free_tail(self, request_id: str, num_tokens: int) -> int:
-        """Free the blocks past those ``num_tokens`` tokens need (never cached: not yet full
-        of verified tokens). Returns how many."""
+        """Free the blocks past those ``num_tokens`` tokens need. Never cached (not yet full of
+        verified tokens), they go to the free queue's head, in table order: the next
+        allocation takes them back before it evicts a cached block. Returns how many."""
         table = self.req_to_blocks.get(request_id)
         keep = self._num_blocks_for(num_tokens)
         if not table or len(table) <= keep:
             return 0
         tail = table[keep:]
         del table[keep:]
-        self.pool.free_blocks(self._held(list(reversed(tail))))
+        self.pool.free_blocks(self._held(list(reversed(tail))), front=True)
         return len(tail)
 
     def free(self, request_id: str) -> None:
