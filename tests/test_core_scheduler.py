@@ -588,3 +588,24 @@ def test_drafts_scheduled_in_budget_rolled_back_and_never_cached():
     a.spec_token_ids = [80, 81]
     sched._preempt(sched.running.pop())
     assert a.spec_token_ids == [] and a.num_computed_tokens == 0
+
+
+def test_mtp_lookahead_slots_stop_at_max_model_len():
+    """MTP k = 2 allocates 2 lookahead slots past each step's tokens, but none from
+    max_model_len on (its drafts and writes stop there): a pool of exactly max_model_len's
+    2 blocks of 4 serves a request growing to 8 tokens without preempting it (it preempted
+    itself forever when its last step asked for 7 + 2 slots)."""
+    from lane.config import SpeculativeConfig
+
+    sched = Scheduler(SchedulerConfig(64, 8, 8), KVCacheConfig([KVCacheGroupSpec(FULL, BS, [], [])], [3]),
+                      eos_token_ids=[EOS], speculative_config=SpeculativeConfig("mtp", 2))
+    runner = Runner()
+    a = add(sched, "a", toks(10, 5), ignore_eos=True)
+    out, _ = step(sched, runner)
+    assert out.scheduled_new_reqs[0].block_ids == ([1, 2],)  # 5 tokens + 2 lookahead slots
+    for _ in range(5):
+        if a.status.finished:
+            break
+        step(sched, runner)
+    assert a.status == RequestStatus.FINISHED_LENGTH_CAPPED and a.num_tokens == 8
+    assert sched.num_preemptions == 0

@@ -425,3 +425,28 @@ def test_rejected_drafts_evict_no_cached_blocks(tiny):
     assert outs[1] == outs[0]
     assert evictions[1] <= evictions[0] and rehits[1] == rehits[0] == 64, (evictions, rehits)
 
+
+def test_mtp_request_reaching_max_model_len_in_the_least_pool(tiny):
+    """The least budget the sizing error suggests for max_model_len 64, MTP k = 2: one request
+    grows to max_model_len and finishes (before: the allocation for its last tokens plus the
+    2 lookahead slots needed a block the pool lacks, and it preempted itself forever)."""
+    path, spec = tiny("deepseek_v3"), {"method": "mtp", "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match="at least") as e:
+        _tiny(path, spec, kv_cache_memory_bytes=1024, max_model_len=64)
+    least = int(re.search(r"to at least (\d+)", str(e.value)).group(1))
+    llm = _tiny(path, spec, kv_cache_memory_bytes=least, max_model_len=64)
+    assert llm.engine.kv_cache_config.num_blocks == [5]  # 4 blocks of 16 tokens + the null block
+    prompt = _prompts((10,), seed=2)[0]
+    base = _tiny(path, max_model_len=64).generate([{"prompt_token_ids": prompt}], SamplingParams(
+        temperature=0, max_tokens=100, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    rid = llm._add_request({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=100,
+                                                                       ignore_eos=True))
+    done = []
+    for _ in range(200):  # bounded: the bug never finishes
+        done += [o for o in llm._step() if o.request_id == rid and o.finished]
+        if done:
+            break
+    assert done, f"not finished after 200 steps ({llm.engine.scheduler.num_preemptions} preemptions)"
+    out = done[0].outputs[0]
+    assert len(out.token_ids) == 54 and out.finish_reason == "length" and out.token_ids == base.token_ids
+    assert llm.engine.scheduler.num_preemptions == 0

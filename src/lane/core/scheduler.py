@@ -113,7 +113,8 @@ class Scheduler:
             if drafts and req.sampling_params.structured_outputs is not None:
                 drafts, n = [], pending  # no grammar bitmasks for draft positions (yet)
             t_alloc = time.monotonic() if log else 0.0
-            while (new_blocks := self.kv.allocate_slots(req, n, None, self.num_lookahead)) is None:  # 18 / 42
+            lookahead = self._lookahead(req.num_computed_tokens + n)
+            while (new_blocks := self.kv.allocate_slots(req, n, None, lookahead)) is None:  # 18 / 42
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted_req_ids.append(victim.request_id)
@@ -145,7 +146,7 @@ class Scheduler:
                 hit, n_hit = self.kv.get_computed_blocks(req)  # step 16
             n = min(req.num_tokens - req.num_computed_tokens - n_hit, budget)
             t_alloc = time.monotonic() if log else 0.0
-            new_blocks = self.kv.allocate_slots(req, n, hit, self.num_lookahead)
+            new_blocks = self.kv.allocate_slots(req, n, hit, self._lookahead(req.num_computed_tokens + n_hit + n))
             if new_blocks is None:
                 break
             if log:
@@ -183,6 +184,11 @@ class Scheduler:
         if not out.is_empty:  # else they wait for a step the workers run
             out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, []
         return out
+
+    def _lookahead(self, num_tokens: int) -> int:
+        """MTP's lookahead slots past a step's ``num_tokens``: none from max_model_len on, where
+        its drafts (and so its writes) never reach; the pool is sized for max_model_len."""
+        return max(0, min(self.num_lookahead, self.max_model_len - num_tokens))
 
     def _grammar_bitmask(self, out: SchedulerOutput) -> None:
         """The tokens each constrained request that samples this step may sample."""
@@ -288,7 +294,8 @@ class Scheduler:
         self.spec_stats.observe(num_drafts, num_accepted)
         freed = 0
         if rejected and running:
-            freed = self.kv.free_unused_slots(req, req.num_tokens + len(req.spec_token_ids) + self.num_lookahead)
+            keep = req.num_tokens + len(req.spec_token_ids)
+            freed = self.kv.free_unused_slots(req, keep + self._lookahead(keep))
         req.blocks_trimmed |= freed > 0
         if self.events is not None:
             self._event(Step.KV_ROLLBACK, t0, time.monotonic(), req, drafts=num_drafts, accepted=num_accepted,
