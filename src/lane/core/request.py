@@ -27,7 +27,7 @@ class RequestStatus(enum.IntEnum):
                 RequestStatus.FINISHED_ABORTED: "abort"}.get(self)
 
 
-@dataclass
+@dataclass(eq=False)  # one object per request: the scheduler's list.remove / `in` compare by identity
 class Request:
     request_id: str
     prompt_token_ids: list[int]
