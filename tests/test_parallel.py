@@ -10,6 +10,7 @@ import time
 import httpx2 as httpx
 import openai
 import pytest
+import torch
 
 from lane import LLM, SamplingParams
 from lane.entrypoints.tiny_model import write_tiny_model
@@ -435,3 +436,49 @@ def test_a_rank_that_cannot_start_leaves_nothing_behind_nor_does_a_shutdown(tiny
     llm.shutdown()
     time.sleep(0.2)  # the monitor thread sees its workers go
     assert _left_behind() == []
+
+
+def _stacked_experts_copy(src: str, dst: str) -> str:
+    """The checkpoint with its per-expert tensors stacked as transformers holds them
+    (``experts.gate_up_proj`` [E, 2I, H] gate | up, ``experts.down_proj`` [E, H, I])."""
+    import re
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    for f in ("model.safetensors", "model-mtp.safetensors"):
+        tensors = load_file(os.path.join(dst, f))
+        per_expert: dict = {}
+        for name in list(tensors):
+            if m := re.match(r"(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$", name):
+                per_expert.setdefault(m.group(1), {})[(int(m.group(2)), m.group(3))] = tensors.pop(name)
+        for prefix, parts in per_expert.items():
+            n = 1 + max(e for e, _ in parts)
+            tensors[prefix + ".gate_up_proj"] = torch.stack([torch.cat((parts[e, "gate"], parts[e, "up"])) for e in range(n)])
+            tensors[prefix + ".down_proj"] = torch.stack([parts[e, "down"] for e in range(n)])
+        save_file(tensors, os.path.join(dst, f), metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "stacked"])
+def test_each_rank_reads_only_its_slices_of_fp8_and_stacked_expert_checkpoints(tiny, tmp_path, fmt):
+    """TP=2 with expert parallelism: every rank reads at most 0.6x of the checkpoint's bytes
+    (fp8 weights dequantized a slice at a time; stacked experts narrowed to the rank's own),
+    and the output equals one rank's."""
+    d = (write_tiny_model("deepseek_v3", str(tmp_path / "fp8"), fp8=True) if fmt == "fp8"
+         else _stacked_experts_copy(tiny["deepseek_v3"], str(tmp_path / "stacked")))
+    kw = dict(FP32, max_num_batched_tokens=16, kv_cache_memory_bytes=4 << 20)
+    one = LLM(d, **kw)
+    read, total = one.engine.worker.model.checkpoint_bytes_read
+    assert read >= 0.9 * total  # one rank reads it all
+    want = _tokens(one)
+    one.shutdown()
+    llm = LLM(d, tensor_parallel_size=2, enable_expert_parallel=True, **kw)
+    try:
+        per_rank = llm.engine.executor.collective_rpc("checkpoint_bytes_read")
+        for rank, (read, total) in enumerate(per_rank):
+            assert read <= 0.6 * total, (rank, read, total)
+        assert _tokens(llm) == want
+    finally:
+        llm.shutdown()

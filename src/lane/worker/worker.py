@@ -112,6 +112,10 @@ class Worker:
 
         return resident_weight_bytes(self.model)
 
+    def checkpoint_bytes_read(self) -> tuple[int, int]:
+        """(bytes this rank read of the checkpoint, the checkpoint's bytes): a rank reads its slices."""
+        return getattr(self.model, "checkpoint_bytes_read", (0, 0))
+
     def expert_counts(self) -> dict[int, list[int]]:
         """Tokens each expert served on this rank, per MoE layer (summed over ranks by the caller)."""
         layers = self.model.moe_layers() if hasattr(self.model, "moe_layers") else {}

@@ -117,14 +117,21 @@ class FusedMoE(nn.Module):
         return "w2" if proj == "down" else "w13"
 
     def load_stacked(self, attr: str, tensor: torch.Tensor) -> None:
-        """transformers' stacked tensors (``w13`` [E, 2I, H] gate | up, ``w2`` [E, H, I])."""
-        for e in range(self.num_experts):
-            if attr == "w2":
-                self.load_expert("down", e, tensor[e])
-            else:
-                gate, up = tensor[e].chunk(2, dim=0)
-                self.load_expert("gate", e, gate)
-                self.load_expert("up", e, up)
+        """transformers' stacked tensors (``w13`` [E, 2I, H] gate | up, ``w2`` [E, H, I]), lazy or
+        not: only this rank's experts, and of each its slice of the intermediate, are read."""
+        want = (self.num_experts, 2 * self.full_intermediate_size, self.w13.shape[2]) if attr == "w13" else \
+            (self.num_experts, self.w2.shape[1], self.full_intermediate_size)
+        if tuple(tensor.shape) != want:
+            raise ValueError(f"stacked experts {attr}: checkpoint shape {tuple(tensor.shape)} != {want}")
+        mine, all_ = slice(self.expert_start, self.expert_start + self.local_experts), slice(None)
+        inter, lo = self.intermediate_size, self.tp_rank * self.intermediate_size
+        if attr == "w2":
+            src = tensor[mine, all_, lo:lo + inter]
+        else:
+            full = self.full_intermediate_size
+            src = torch.cat((tensor[mine, lo:lo + inter], tensor[mine, full + lo:full + lo + inter]), dim=1)
+        with torch.no_grad():
+            getattr(self, attr).copy_(src)
 
     def quantize_int8(self, activations: bool) -> None:
         """The loaded experts to int8 per (expert, output channel): qw13 / qw2 int8 with fp32

@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 from collections import Counter
 import logging
+import os
 import time
 
 import torch
@@ -121,6 +122,7 @@ def get_model(model_config: ModelConfig, load_threads: int = 4, progress: bool =
 
     desc = f"Loading {model_config.short_name}"
     dequantized: Counter = Counter()  # GGUF quantized tensors dequantized at load, by kind
+    notes_read = ""
     if model_config.gguf_file:
         from lane.model_executor.loader.gguf_loader import iter_gguf_weights
 
@@ -132,20 +134,23 @@ def get_model(model_config: ModelConfig, load_threads: int = 4, progress: bool =
                               dequantized=dequantized),
             total=len(reader.tensors), desc=desc, disable=not progress, unit="tensor")))
     else:
-        from lane.model_executor.loader.safetensors_loader import (count_tensors, load_safetensors,
-                                                                   safetensors_files)
-
+        from lane.distributed.parallel_state import get_tp_group
         from lane.model_executor.loader.fp8 import Fp8Dequantizer, block_size_of, scale_suffixes_of
+        from lane.model_executor.loader.safetensors_loader import (ReadCounter, count_tensors, load_safetensors,
+                                                                   safetensors_files)
 
         files = safetensors_files(model_config.model_dir)
         cfg = model_config.hf_config
         fp8 = Fp8Dequantizer(consume, block_size_of(cfg), scale_suffixes_of(cfg))
-        from lane.distributed.parallel_state import get_tp_group
-
+        counter = ReadCounter()
         with tqdm(total=count_tensors(files), desc=desc, disable=not progress, unit="tensor") as bar:
             # over several ranks, each reads only its slices
-            load_safetensors(files, fp8, load_threads, on_tensor=bar.update, lazy=get_tp_group().world_size > 1)
+            load_safetensors(files, fp8, load_threads, on_tensor=bar.update, lazy=get_tp_group().world_size > 1,
+                             counter=counter)
         fp8.finish()
+        checkpoint = sum(os.path.getsize(f) for f in files)
+        model.checkpoint_bytes_read = (counter.bytes, checkpoint)
+        notes_read = f"; read {counter.bytes / 2**20:.1f} MiB of the checkpoint's {checkpoint / 2**20:.1f} MiB"
         if fp8.num_dequantized:
             logger.info("Dequantised %d fp8 block-quantised weights to %s", fp8.num_dequantized,
                         str(model_config.dtype).removeprefix("torch."))
@@ -173,7 +178,7 @@ def get_model(model_config: ModelConfig, load_threads: int = 4, progress: bool =
     if dequantized:
         notes.append(f"quantized tensors dequantized at load to "
                      f"{str(model_config.dtype).removeprefix('torch.')}: {_kinds(dequantized)}")
-    logger.info("Loaded %s: architecture %s -> %s:%s in %.2f s; weights %.1f MiB resident%s",
+    logger.info("Loaded %s: architecture %s -> %s:%s in %.2f s; weights %.1f MiB resident%s%s",
                 model_config.short_name, arch, model_cls.__module__, model_cls.__qualname__,
-                time.perf_counter() - t0, resident / 2**20, f" ({'; '.join(notes)})" if notes else "")
+                time.perf_counter() - t0, resident / 2**20, notes_read, f" ({'; '.join(notes)})" if notes else "")
     return model

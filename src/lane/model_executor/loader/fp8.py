@@ -5,7 +5,8 @@ Each quantised linear weight ``W`` (float8_e4m3fn, [N, K]) comes with
 block (128 x 128 in DeepSeek's releases), the last blocks possibly partial.
 The real weight is ``W * scale_inv`` block by block. A weight and its scale may
 arrive in any order, from different files and threads, so each waits for the
-other.
+other. Over several ranks the pair stays lazy (``LazyFp8``): a rank's slice reads only its
+rows (or columns) of the weight and dequantizes them with the scale blocks they fall in.
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import threading
 from typing import Callable
 
 import torch
+
+from lane.model_executor.loader.safetensors_loader import LazyTensor, materialize
 
 FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n))
 # scale name suffix -> what replaces it to name the weight: DeepSeek V3's HF releases use
@@ -24,13 +27,33 @@ V4_SCALE_SUFFIXES = {"_scale_inv": "", ".scale": ".weight"}
 def dequantize_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor,
                          block: tuple[int, int] = (128, 128)) -> torch.Tensor:
     """[N, K] fp8 weight, [ceil(N/bn), ceil(K/bk)] scales -> float32 [N, K]."""
-    n, k = weight.shape
-    bn, bk = block
-    if scale_inv.shape != (-(-n // bn), -(-k // bk)):
-        raise ValueError(f"scale shape {tuple(scale_inv.shape)} does not fit a {n}x{k} weight "
-                         f"in {bn}x{bk} blocks")
-    scale = scale_inv.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
-    return weight.float() * scale
+    return LazyFp8(weight, scale_inv, block).full()
+
+
+class LazyFp8(LazyTensor):
+    """An fp8 weight not read yet (a LazyTensor; or a tensor), with its (small, read) block
+    scales: reads as float32, a slice at a time (``narrow`` / ``[index]``, basic slices), or
+    whole (``full``)."""
+
+    def __init__(self, weight: "LazyTensor | torch.Tensor", scale_inv: torch.Tensor, block: tuple[int, int]) -> None:
+        n, k = weight.shape
+        if scale_inv.shape != (-(-n // block[0]), -(-k // block[1])):
+            raise ValueError(f"scale shape {tuple(scale_inv.shape)} does not fit a {n}x{k} weight "
+                             f"in {block[0]}x{block[1]} blocks")
+        self._weight, self._scale, self._block = weight, scale_inv.float(), block
+        self.shape, self.dtype = weight.shape, torch.float32
+
+    def __getitem__(self, index: tuple[slice, ...]) -> torch.Tensor:
+        index = tuple(index) + (slice(None),) * (2 - len(index))
+        (r0, r1, _), (c0, c1, _) = (ix.indices(size) for ix, size in zip(index, self.shape))
+        (bn, bk), q = self._block, self._weight[index]
+        scale = self._scale[r0 // bn:-(-r1 // bn), c0 // bk:-(-c1 // bk)]  # the blocks the slice falls in
+        scale = scale.repeat_interleave(bn, 0)[r0 % bn:r0 % bn + (r1 - r0)]
+        scale = scale.repeat_interleave(bk, 1)[:, c0 % bk:c0 % bk + (c1 - c0)]
+        return q.float() * scale
+
+    def full(self) -> torch.Tensor:
+        return self[(slice(None), slice(None))]
 
 
 def _quant_config(hf_config) -> dict:
@@ -71,9 +94,8 @@ class Fp8Dequantizer:
         else:
             self.consume(name, tensor)
             return
-        from lane.model_executor.loader.safetensors_loader import materialize
-
-        tensor = materialize(tensor)  # dequantized whole (its blocks' scales span the slices)
+        if store is self.scales:
+            tensor = materialize(tensor)  # a scale is small: read whole
         with self.lock:
             mate = other.pop(key, None)
             if mate is None:
@@ -81,7 +103,10 @@ class Fp8Dequantizer:
                 return
             self.num_dequantized += 1
         weight, scale = (tensor, mate) if store is self.weights else (mate, tensor)
-        self.consume(key, dequantize_block_fp8(weight, scale, self.block))
+        if isinstance(weight, LazyTensor):  # a rank's slice of it is read when its layer asks
+            self.consume(key, LazyFp8(weight, scale, self.block))
+        else:
+            self.consume(key, dequantize_block_fp8(weight, scale, self.block))
 
     def finish(self) -> None:
         if self.weights or self.scales:

@@ -3,6 +3,7 @@ tensor-parallel ranks each tensor comes as a ``LazyTensor``: a rank's layer narr
 slice, and only that slice's bytes are read from the mapped file."""
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import threading
@@ -17,24 +18,42 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF
            "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
 
-class LazyTensor:
-    """A checkpoint tensor not read yet: ``narrow`` reads one slice (a rank's), ``full`` all of
-    it. Valid while its file is open (during ``consume``)."""
+class ReadCounter:
+    """Bytes of tensor data a load has read from the checkpoint (what a rank pays for)."""
 
-    def __init__(self, st, name: str) -> None:
+    def __init__(self) -> None:
+        self.bytes = 0
+        self._lock = threading.Lock()
+
+    def add(self, t: torch.Tensor) -> torch.Tensor:
+        with self._lock:
+            self.bytes += t.numel() * t.element_size()
+        return t
+
+
+class LazyTensor:
+    """A checkpoint tensor not read yet: ``narrow`` or ``[index]`` read one slice (a rank's),
+    ``full`` all of it. Valid while the load runs (its file stays open until every file is done)."""
+
+    def __init__(self, st, name: str, counter: ReadCounter | None = None) -> None:
         self._st, self._name = st, name
         self._slice = st.get_slice(name)
         self.shape = torch.Size(self._slice.get_shape())
         self.dtype = _DTYPES.get(self._slice.get_dtype())
+        self._counter = counter or ReadCounter()
 
     def dim(self) -> int:
         return len(self.shape)
 
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
-        return self._slice[(slice(None),) * dim + (slice(start, start + length),)]
+        return self[(slice(None),) * dim + (slice(start, start + length),)]
+
+    def __getitem__(self, index: tuple[slice, ...]) -> torch.Tensor:
+        """Basic slices only (no steps): the bytes of that block are all that is read."""
+        return self._counter.add(self._slice[index])
 
     def full(self) -> torch.Tensor:
-        return self._st.get_tensor(self._name)
+        return self._counter.add(self._st.get_tensor(self._name))
 
 
 def materialize(t):
@@ -60,21 +79,26 @@ def count_tensors(files: list[str]) -> int:
 
 
 def load_safetensors(files: list[str], consume: Callable[[str, torch.Tensor], None],
-                     num_threads: int = 4, on_tensor: Callable[[], None] | None = None, lazy: bool = False) -> None:
+                     num_threads: int = 4, on_tensor: Callable[[], None] | None = None, lazy: bool = False,
+                     counter: ReadCounter | None = None) -> None:
     """Call ``consume(name, tensor)`` for every tensor, one thread per file (``lazy``: as
-    LazyTensors). ``consume`` must be safe to call concurrently for different names."""
+    LazyTensors, every file open until all are done: a tensor may wait for its mate from
+    another file, an fp8 weight for its scales). ``consume`` must be safe to call
+    concurrently for different names. ``counter`` adds up the bytes read."""
     from safetensors import safe_open
 
+    counter = counter or ReadCounter()
     lock = threading.Lock()
 
-    def one_file(path: str) -> None:
-        with safe_open(path, framework="pt") as st:
-            for name in st.keys():
-                consume(name, LazyTensor(st, name) if lazy else st.get_tensor(name))
-                if on_tensor:
-                    with lock:
-                        on_tensor()
+    def one_file(st) -> None:
+        for name in st.keys():
+            consume(name, LazyTensor(st, name, counter) if lazy else counter.add(st.get_tensor(name)))
+            if on_tensor:
+                with lock:
+                    on_tensor()
 
-    with ThreadPoolExecutor(max_workers=max(1, min(num_threads, len(files)))) as pool:
-        for fut in [pool.submit(one_file, f) for f in files]:
-            fut.result()
+    with contextlib.ExitStack() as stack:
+        handles = [stack.enter_context(safe_open(f, framework="pt")) for f in files]
+        with ThreadPoolExecutor(max_workers=max(1, min(num_threads, len(files)))) as pool:
+            for fut in [pool.submit(one_file, st) for st in handles]:
+                fut.result()

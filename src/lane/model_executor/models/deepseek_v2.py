@@ -250,7 +250,7 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         name = fused_expert_name(name)
         if name.endswith((".experts.w13", ".experts.w2")):  # transformers' stacked experts
             module, _, attr = name.rpartition(".")
-            self.get_submodule(module).load_stacked(attr, materialize(tensor))
+            self.get_submodule(module).load_stacked(attr, tensor)  # lazy: its slices only
             return name
         if name.endswith((".q_b_proj.weight", ".q_proj.weight")):
             # regrouped whole to [every nope | every rope]; each part then split by heads on its own

@@ -518,7 +518,7 @@ class DeepseekV4ForCausalLM(nn.Module):
             name = fused_expert_name(name)
             if name.endswith((".experts.w13", ".experts.w2")):  # transformers' stacked experts
                 module, _, attr = name.rpartition(".")
-                self.get_submodule(module).load_stacked(attr, materialize(tensor))
+                self.get_submodule(module).load_stacked(attr, tensor)  # lazy: its slices only
                 loaded.add(name)
                 continue
             if name not in params:
