@@ -132,8 +132,11 @@ def test_runtime_error_while_serving_fails_requests_and_health():
         err = plain[0].json()["error"]
         assert set(err) == {"message", "type", "param", "code"} and err["code"] == 500
         assert err["type"] == "InternalServerError" and "Traceback" not in err["message"]
+        # the engine's own error, not only that it died with exit code 1
+        assert "ValueError: fault injected at step 60" in err["message"], err
         assert events[-1] == "data: [DONE]" and '"text"' in events[0]  # some text came, then the error
         assert json.loads(events[-2][6:])["error"]["code"] == 500
+        assert "fault injected at step 60" in json.loads(events[-2][6:])["error"]["message"]
         deadline = time.monotonic() + 10
         while httpx.get(s.url + "/health", timeout=30).status_code != 503:
             assert time.monotonic() < deadline

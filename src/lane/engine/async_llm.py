@@ -225,8 +225,10 @@ class AsyncLLM:
         self.log_stats[outs.engine_index].record(outs.scheduler_stats, iteration_stats)
 
     def _on_engine_dead(self, engine_index: int, exitcode: int | None) -> None:
-        err = EngineDeadError(f"engine core {engine_index} died (exit code {exitcode}); "
-                              f"the request cannot finish")
+        why = self.client.errors.get(engine_index)
+        err = EngineDeadError(f"engine core {engine_index} stopped on a runtime error ({why}); the request "
+                              f"cannot finish" if why is not None else
+                              f"engine core {engine_index} died (exit code {exitcode}); the request cannot finish")
         for rid, handle in list(self.streams.items()):
             if handle.engine_index == engine_index:
                 self.output_processor.abort(rid)

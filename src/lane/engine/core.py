@@ -225,6 +225,13 @@ class EngineCoreProc:
     def _send(self, kind: EngineCoreOutputType, obj) -> None:
         self.output_socket.send_multipart((kind.value, self.encoder.encode(obj)), copy=False)
 
+    def report_error(self, e: BaseException) -> None:
+        """Tell the frontend the error this engine stops on (its requests' 500 bodies carry it)."""
+        try:
+            self._send(EngineCoreOutputType.ERROR, [self.engine_index, f"{type(e).__name__}: {e}"])
+        except Exception:  # noqa: BLE001 - exiting anyway; the frontend still sees the exit code
+            pass
+
     def _handle(self, kind: EngineCoreRequestType, payload, received: float) -> None:
         if kind is EngineCoreRequestType.ADD:
             self.core.add_request(payload)
@@ -302,8 +309,9 @@ def run_engine_core(args, engine_index: int, input_address: str, output_address:
         proc.run_busy_loop()
     except SystemExit:
         pass
-    except BaseException:  # the frontend's watchdog sees the exit: its requests fail, /health 503
+    except BaseException as e:  # the frontend fails its requests with the error; /health 503
         logger.exception("Engine core %d stopped on a runtime error while serving", engine_index)
+        proc.report_error(e)
         proc.core.shutdown()
         sys.exit(1)
     proc.core.shutdown()

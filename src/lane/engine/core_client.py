@@ -68,7 +68,8 @@ class AsyncMPClient:
         self.balancer = DPLoadBalancer(data_parallel_size, max_num_waiting_requests)
         self.ready: list[EngineReady] = []
         self.procs: list[multiprocessing.Process] = []
-        self.dead: dict[int, int | None] = {}  # engine index -> exit code
+        self.dead: dict[int, int | None] = {}  # engine index -> exit code (None: not exited yet)
+        self.errors: dict[int, str] = {}  # engine index -> the runtime error it stopped on
         self._ipc_dir = make_ipc_dir("ipc")  # removes what a killed server left
         self._sync_ctx = zmq.Context()
         self._async_ctx = zmq.asyncio.Context()
@@ -150,6 +151,12 @@ class AsyncMPClient:
                 if self.on_spans is not None:
                     self.on_spans(span_decoder.decode(payload.buffer))
                 continue
+            if kind.bytes == EngineCoreOutputType.ERROR.value:  # sent just before it exits
+                i, text = msgspec.msgpack.decode(payload.buffer)
+                self.errors[i] = text
+                logger.error("Engine core %d stopped on a runtime error: %s", i, text)
+                self._mark_dead(i, None)
+                continue
             if kind.bytes != EngineCoreOutputType.OUTPUTS.value:
                 continue
             outs = decoder.decode(payload.buffer)
@@ -167,11 +174,17 @@ class AsyncMPClient:
             for i in list(self._pending_aborts):
                 self._flush_aborts(i)
             for i, proc in enumerate(self.procs):
-                if i not in self.dead and proc.exitcode is not None:
-                    self.dead[i] = proc.exitcode
-                    self.balancer.mark_dead(i)
+                if proc.exitcode is not None and self.dead.get(i) is None:
                     logger.error("Engine core %d (pid %d) died with exit code %s", i, proc.pid, proc.exitcode)
-                    self.on_engine_dead(i, proc.exitcode)
+                    self._mark_dead(i, proc.exitcode)
+
+    def _mark_dead(self, engine_index: int, exitcode: int | None) -> None:
+        """An engine that stopped (its error message came) or exited: its requests fail once."""
+        first = engine_index not in self.dead
+        self.dead[engine_index] = exitcode
+        if first:
+            self.balancer.mark_dead(engine_index)
+            self.on_engine_dead(engine_index, exitcode)
 
     def choose_engine(self, data_parallel_rank: int | None, num_requests: int) -> int:
         return self.balancer.choose(data_parallel_rank, num_requests)

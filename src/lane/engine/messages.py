@@ -50,6 +50,7 @@ class EngineCoreOutputType(bytes, enum.Enum):
     READY = b"\x00"
     OUTPUTS = b"\x01"
     SPANS = b"\x02"  # trace spans, sent after the outputs they describe
+    ERROR = b"\x03"  # [engine index, the error's text]: a runtime error stops the engine
 
 
 @dataclass
