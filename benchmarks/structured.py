@@ -5,7 +5,10 @@
    each and their ratio (target >= 0.9).
 2. Compile time: xgrammar's compile of the schema for SmolLM2's tokenizer (cold, in-process),
    and of a few schema sizes.
-3. A new schema while others decode: 31 requests with the warm schema stream; one request
+3. The first structured request of the server's life, joining 31 free streams mid-way: the
+   others' max inter-token latency, against the same with a free newcomer (the engine makes its
+   grammar manager then: the tokenizer, xgrammar and its tables, in the compile thread).
+   A new schema while others decode: 31 requests with the warm schema stream; one request
    joins mid-way, with a never-seen schema or the warm one (alternated, 3 each, medians). Its
    TTFT, and the 31 others' P99 inter-token latency, one against the other (target: within
    15 %).
@@ -146,7 +149,13 @@ def main() -> None:
         async def run_all():
             n, mt = args.concurrency, args.max_tokens
             model = (await client.models.list()).data[0].id
-            await batch(client, model, n, mt, person_schema())  # warm-up (and the schema's compile)
+            await batch(client, model, n, mt, None)  # warm-up, free: no structured request yet
+            # the first structured request of the server's life joins n - 1 free streams (the engine
+            # makes its grammar manager then: tokenizer, xgrammar, its tables); the others' max
+            # inter-token gap, against the same with a free newcomer
+            first_free = await newcomer(client, model, n, mt, None, None)
+            first = await newcomer(client, model, n, mt, None, person_schema("_first"))
+            await batch(client, model, n, mt, person_schema())  # the schema's compile
             free, constrained = [], []
             for _ in range(args.rounds):
                 free.append(await batch(client, model, n, mt, None))
@@ -160,9 +169,9 @@ def main() -> None:
             for _ in range(args.rounds):
                 for choice, runs in tools.items():
                     runs.append(await batch(client, model, n, mt, None, tools=TOOLS, tool_choice=choice))
-            return free, constrained, warm, new, tools
+            return free, constrained, warm, new, tools, first_free, first
 
-        free, constrained, warm, new, tools = asyncio.run(run_all())
+        free, constrained, warm, new, tools, first_free, first = asyncio.run(run_all())
     finally:
         stop(proc)
 
@@ -174,7 +183,12 @@ def main() -> None:
     ttft = {k: median([run["late"]["ttft"] * 1000 for run in v]) for k, v in (("warm", warm), ("new", new))}
     f_tok, c_tok = max(t for t, _ in free), max(t for t, _ in constrained)
     f_req, c_req = max(r for _, r in free), max(r for _, r in constrained)
+    first_max = {k: max(g for r in run["others"] for g in r["gaps"]) * 1000
+                 for k, run in (("free", first_free), ("structured", first))}
     res = {
+        "first_structured_others_max_itl_ms": round(first_max["structured"], 1),
+        "first_free_others_max_itl_ms": round(first_max["free"], 1),
+        "first_structured_ttft_ms": round(first["late"]["ttft"] * 1000, 1),
         "output_tok_s_free": round(f_tok, 1), "output_tok_s_json_schema": round(c_tok, 1),
         "ratio": round(c_tok / f_tok, 3), "per_request_decode_ratio": round(c_req / f_req, 3),
         "compile_ms_person": compiles["person"], "compile_ms_person_x8": compiles["person_x8"],
@@ -191,6 +205,9 @@ def main() -> None:
           f"{res['per_request_decode_ratio']}x)")
     print(f"a new schema's own TTFT {res['ttft_ms_new_schema']} ms (warm schema: {res['ttft_ms_warm_schema']} ms); "
           f"the others' P99 ITL {res['others_p99_itl_ms_new']} ms (without it: {res['others_p99_itl_ms_warm']} ms)")
+    print(f"the first structured request of the server's life: the others' max ITL "
+          f"{res['first_structured_others_max_itl_ms']} ms (a free newcomer instead: "
+          f"{res['first_free_others_max_itl_ms']} ms), its own TTFT {res['first_structured_ttft_ms']} ms")
     print(f"tool_choice required: {res['tool_required_ratio']}x none's output tok/s (per request "
           f"{res['tool_required_per_request_ratio']}x); auto (hermes parser) against none, same tokens: "
           f"{res['tool_auto_vs_none_ratio']}x")
