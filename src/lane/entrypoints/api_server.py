@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import importlib
 import logging
 import time
 
@@ -210,7 +211,11 @@ async def serve(args: EngineArgs, host: str, port: int, data_parallel_size: int 
                       trace_max_requests=trace_max_requests, max_num_waiting_requests=max_num_waiting_requests)
     names = served_model_name or [engine.served_model_name]
     try:
+        # xgrammar checks every constraint here (a 400 for a bad one): imported while the engines
+        # start, not by the first constrained request, whose import would stall every stream
+        xgrammar = asyncio.create_task(asyncio.to_thread(importlib.import_module, "xgrammar"))
         await engine.start()
+        await xgrammar
         app = build_app(engine, names, api_key, chat)
         config = uvicorn.Config(app, host=host, port=port, log_level=uvicorn_log_level,
                                 timeout_graceful_shutdown=5, access_log=False)

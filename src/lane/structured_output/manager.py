@@ -6,6 +6,7 @@ bitmask (int32, a bit per vocabulary entry) for the requests that sample."""
 from __future__ import annotations
 
 import logging
+import sys
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
@@ -37,12 +38,19 @@ class StructuredOutputManager:
         self.compile_seconds: dict[tuple[str, str], float] = {}
 
     def _build_tables(self, tokenizer: Callable[[], Any], vocab_size: int, eos_token_ids: list[int]) -> None:
-        import xgrammar as xgr
+        # mostly Python holding the GIL: the engine loop, which hands the GIL over at every torch
+        # op, would wait up to a switch interval (5 ms) to get it back each time; shorter meanwhile
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(interval, 0.0002))
+        try:
+            import xgrammar as xgr
 
-        self._xgr = xgr
-        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer(), vocab_size=vocab_size,
-                                                       stop_token_ids=list(eos_token_ids) or None)
-        self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
+            self._xgr = xgr
+            self.info = xgr.TokenizerInfo.from_huggingface(tokenizer(), vocab_size=vocab_size,
+                                                           stop_token_ids=list(eos_token_ids) or None)
+            self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
+        finally:
+            sys.setswitchinterval(interval)
 
     # -- grammars ------------------------------------------------------------------
     def _compile(self, params: StructuredOutputsParams):
