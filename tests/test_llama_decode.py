@@ -21,12 +21,9 @@ def run(llm, prompts, n: int = 24):
 
 
 def fused_against_modules(llm, prompts, monkeypatch):
-    """Generate with the fused step, then with the module path; both must agree exactly.
-    float32 keeps torch's norms and rope in the module path (bit-comparable with HF), which
-    round differently from the kernels (and the 8-bit activations amplify that): for the
-    comparison the module path runs the kernels too (prefills included)."""
+    """Generate with the fused step, then with the module path; both must agree exactly (a
+    GGUF-block model's float32 norms and rope run the kernels on both: linear.kernels_in_float32)."""
     model = llm.engine.worker.model.model
-    monkeypatch.setattr(cpu_kernels, "fused_for", lambda dtype, device: cpu_kernels.available() and device.type == "cpu")
     fused = run(llm, prompts)
     plan = model._fused
     assert plan is not None and plan.steps > 0, "the fused step did not run"

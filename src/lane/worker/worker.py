@@ -20,7 +20,7 @@ from lane.core.scheduler_output import SchedulerOutput
 from lane.kv_cache_interface import KVCacheConfig, group_kv_cache_specs
 from lane.model_executor.layers import cpu_kernels
 from lane.tracing import Step, tracer
-from lane.model_executor.layers.linear import prepack_linears
+from lane.model_executor.layers.linear import kernels_in_float32, prepack_linears
 from lane.model_executor.loader import get_model
 from lane.outputs import ModelRunnerOutput
 from lane.worker.model_runner import ModelRunner
@@ -69,6 +69,7 @@ class Worker:
             if hasattr(self.model, "keep_streams"):
                 self.model.keep_streams = True
         self.num_packed = prepack_linears(self.model)
+        kernels_in_float32(self.model)
         self.runner = ModelRunner(self.model, config.cache_config.block_size, mc.dtype, mc.device_type,
                                   config.cache_config.enable_prefix_caching, mc.eos_token_ids, spec,
                                   config.scheduler_config.max_model_len)

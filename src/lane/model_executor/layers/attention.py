@@ -23,9 +23,11 @@ from lane.model_executor.layers import cpu_kernels
 from lane.tracing import Step
 
 
-# Prefill attention: "kernel" reads the cache in place (cpu_kernels.prefill_attention),
-# "torch" gathers the request's blocks and runs SDPA (the path for other devices and
-# when the kernels are unavailable), "auto" (default) picks the faster on this CPU.
+# Prefill attention: "rows" runs each row of a chunk as the decode kernel runs a decode row
+# (cpu_kernels.prefill_rows_attention: batch-invariant), "kernel" the flash-style prefill kernel
+# (cpu_kernels.prefill_attention), "torch" gathers the request's blocks and runs SDPA (the path
+# for other devices and when the kernels are unavailable); "auto" (default): "rows" when
+# batch-invariant (cpu_kernels.BATCH_INVARIANT), else the faster of the other two on this CPU.
 PREFILL_ATTENTION = os.environ.get("LANE_PREFILL_ATTENTION", "auto")
 
 
@@ -38,6 +40,13 @@ def prefill_kernel_for(q: torch.Tensor) -> bool:
     if PREFILL_ATTENTION == "torch" or not cpu_kernels.usable(q):
         return False
     return PREFILL_ATTENTION == "kernel" or q.dtype != torch.bfloat16 or not platform.cpu_has_fast_bf16()
+
+
+def prefill_rows_for(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether a prefill chunk runs row by row on the decode kernel (see PREFILL_ATTENTION)."""
+    if not cpu_kernels.usable(q) or k_cache.dtype != q.dtype:
+        return False
+    return PREFILL_ATTENTION == "rows" or (PREFILL_ATTENTION == "auto" and cpu_kernels.BATCH_INVARIANT)
 
 
 def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
@@ -164,6 +173,8 @@ class Attention(CacheLayer):
         return out.view(q.shape[0], -1)
 
     def _prefill(self, q, k, v, span: PrefillSpan, kc, vc) -> torch.Tensor:
+        if kc.numel() and prefill_rows_for(q, kc):
+            return cpu_kernels.prefill_rows_attention(q, kc, vc, span.block_ids, span.num_computed, self.scale)
         if kc.numel() and prefill_kernel_for(q):  # the chunk's K/V are in the cache already
             return cpu_kernels.prefill_attention(q, kc, vc, span.block_ids, span.num_computed, self.scale)
         return prefill_attention_torch(q, k, v, kc, vc, span.block_ids, span.num_computed, self.scale)

@@ -59,6 +59,12 @@ _MODULE = "lane_kernels"
 _PY_INCLUDE = sysconfig.get_paths()["include"]
 _SO = _MODULE + (sysconfig.get_config_var("EXT_SUFFIX") or ".so")
 
+# One code path and one reduction order per row, whatever the batch (LANE_BATCH_INVARIANT=0:
+# the faster-per-shape paths that change with M: oneDNN / MKL GEMMs for many rows, GGUF
+# weights dequantized for prefill, the flash prefill attention). With it on, a request's
+# greedy tokens do not depend on what else is in its batch, on chunking, on prefix-cache hits
+# or on preemption: a row of a prefill chunk is computed as the same row of a decode step.
+BATCH_INVARIANT = os.environ.get("LANE_BATCH_INVARIANT", "1") != "0"
 _lib = None  # the loaded module
 _isa: str | None = None
 _build_thread: threading.Thread | None = None
@@ -185,14 +191,17 @@ def dtype_code(dtype: torch.dtype) -> int | None:
     return _DTYPE_CODES.get(dtype)
 
 
-def fused_for(dtype: torch.dtype, device: torch.device) -> bool:
+def fused_for(dtype: torch.dtype, device: torch.device, float32: bool = False) -> bool:
     """The fused element-wise kernels round once where torch rounds after every
-    op: used for bf16 only, so float32 stays bit-comparable with HF."""
-    return _lib is not None and device.type == "cpu" and dtype == torch.bfloat16
+    op: used for bf16, and for float32 where the caller asks (``float32``: a model whose
+    linears are GGUF blocks, so its prefill rows run what its fused decode step runs); dense
+    float32 stays bit-comparable with HF."""
+    return _lib is not None and device.type == "cpu" and (
+        dtype == torch.bfloat16 or (float32 and dtype == torch.float32))
 
 
-def fused_usable(x: torch.Tensor) -> bool:
-    return fused_for(x.dtype, x.device)
+def fused_usable(x: torch.Tensor, float32: bool = False) -> bool:
+    return fused_for(x.dtype, x.device, float32)
 
 
 # -- the kernels: checks and allocation here; the module takes raw pointers ----------
@@ -202,7 +211,8 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
-    """q [B, H, D], caches [blocks, KVH, block_size, D] -> [B, H, D]."""
+    """q [B, H, D], caches [blocks, KVH, block_size, D] -> [B, H, D]. block_tables [B, max
+    blocks], or one table [max blocks] that every row reads (rows of one request)."""
     B, H, D = q.shape
     KVH, BS = k_cache.shape[1], k_cache.shape[2]
     if D > 1024 or BS > 256:
@@ -215,9 +225,20 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
     out = torch.empty_like(q)
     _lib.lane_paged_decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                                      _DTYPE_CODES[q.dtype], tables.data_ptr(), lens.data_ptr(),
-                                     out.data_ptr(), B, H, KVH, D, BS, tables.shape[1], scale,
-                                     torch.get_num_threads())
+                                     out.data_ptr(), B, H, KVH, D, BS, tables.shape[1] if tables.dim() == 2 else 0,
+                                     scale, torch.get_num_threads())
     return out
+
+
+def prefill_rows_attention(q, k_cache, v_cache, block_ids, num_computed, scale):
+    """One request's chunk (q [n, H, D] at positions num_computed ..), each row attended
+    exactly as decode_attention attends a decode row at that position (the batch-invariant
+    prefill: a row's result does not depend on the chunk it came in)."""
+    n = q.shape[0]
+    if block_ids.numel() * k_cache.shape[2] < num_computed + n:
+        raise ValueError("paged prefill: block_ids do not cover the chunk")
+    lens = torch.arange(num_computed + 1, num_computed + n + 1, dtype=torch.int32)
+    return decode_attention(q, k_cache, v_cache, block_ids.reshape(-1), lens, scale)
 
 
 def cache_write(k, v, k_cache, v_cache, slot_mapping):

@@ -9,6 +9,8 @@ from lane.model_executor.layers import cpu_kernels
 
 
 class RMSNorm(nn.Module):
+    kernels_float32 = False  # float32 on the kernels too (linear.kernels_in_float32)
+
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
@@ -16,7 +18,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """``norm(x)``; with ``residual``: returns (norm(x + residual), x + residual)."""
-        if cpu_kernels.fused_usable(x) and x.is_contiguous():
+        if cpu_kernels.fused_usable(x, self.kernels_float32) and x.is_contiguous():
             if residual is None:
                 out = x.clone()
                 cpu_kernels.rms_norm_(out, None, self.weight, self.eps)

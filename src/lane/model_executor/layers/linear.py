@@ -1,30 +1,29 @@
-"""Linear layers, with the CPU paths that make decode fast and every dtype run
-on every CPU.
+"""Linear layers, with the CPU paths that make decode fast, every dtype run on every CPU,
+and a row's result the same whatever else is in its batch.
 
-- One or two rows (decode of one or two sequences): the small-M kernel streams
-  each weight row once; torch's GEMM reads weights at a fraction of bandwidth.
-- More rows, bf16 where oneDNN runs bf16 (AVX-512 BW/VL/DQ or AVX-NE-CONVERT):
-  oneDNN with the weight pre-packed into its blocked layout once at load (15-45%
-  faster than ``F.linear``, which re-lays the weight out on every call). The dense
-  weight stays for the small-M path and for weight loading, so packing costs one
-  more copy of the linear weights.
-- bf16 without it, and float16 (torch's GEMM has no fast CPU path for them there):
-  bf16 / fp16 storage, fp32 math, as vLLM's CPU build runs bf16 on AVX2. Up to
-  ``UPCAST_ROWS`` rows the small-M kernel reads the weight as stored; above, the
-  weight is widened per call and fp32 GEMM runs.
+Batch-invariant (the default, ``cpu_kernels.BATCH_INVARIANT``): one kernel and one reduction
+order per output element for any number of rows, so a token's row computed in a prefill
+chunk equals the same row in a decode step, and greedy answers do not change with load:
 - GGUF Q4_0 / Q4_1 / Q8_0 / K-quant weights kept in their blocks (``--quantization auto``; the
-  32-blocks repacked 8 rows interleaved at prepack where N allows): up to
-  ``quant_rows`` rows (decode batches, verify), the integer kernel (each row quantized to
-  8-bit blocks once per call, inside it); above (prefill), the weight dequantized into a scratch
-  buffer reused by every layer, then the dense GEMM: the dequantization is a few percent
-  of a prefill's GEMM time, and the integer kernel's cost grows with every row.
+  32-blocks repacked 8 rows interleaved at prepack where N allows): the integer kernel for every
+  M, each row quantized to 8-bit blocks once per call, inside it (as llama.cpp runs prefill);
+  the weights are never dequantized per call.
+- Dense weights (``--quantization none``, safetensors checkpoints): lane's dense kernel for every
+  M (cpu_kernels.small_m_linear: fp32 arithmetic, each weight row streamed once a call for
+  decode, register-blocked for prefill). Big prefills pay for it against oneDNN / MKL, whose
+  kernels change with the shape (benchmarks/batch_invariance.py states the cost).
 - int8 weights per output channel (``--quantization int8`` / ``w8a8``, quantized at load from a
-  safetensors checkpoint): the int8 kernels (W8A16 widens the weight in registers; W8A8
-  quantizes each row of activations to int8 once per call and multiplies int8 by int8).
+  safetensors checkpoint): the int8 kernels up to 16 rows, torch's int8 / dequantized GEMMs
+  above (not batch-invariant).
+
+``LANE_BATCH_INVARIANT=0`` takes the fastest path per shape instead: the small-M kernel up to a
+few rows, then oneDNN (bf16 pre-packed into its blocked layout at load) or MKL, and for GGUF
+weights above ``quant_rows`` rows the weight dequantized into a scratch buffer and a dense GEMM.
 """
 from __future__ import annotations
 
 import functools
+import sys
 
 import torch
 import torch.nn as nn
@@ -42,10 +41,13 @@ _scratch: dict[torch.dtype, torch.Tensor] = {}  # the dequantized weight of the 
 
 
 def quant_rows(dtype: torch.dtype, x8: bool = False) -> int:
-    """Rows up to which the integer kernel beats dequantize + GEMM (measured on SmolLM2's
-    shapes): for blocks repacked 8 rows interleaved, whose cost grows slowly with the rows, 64
-    (they win to 64-128 rows, bf16 on AMX included); else 16 where the CPU's GEMM runs the dtype
-    natively and fast (bf16 on oneDNN), 32 elsewhere."""
+    """Rows up to which GGUF blocks take the integer kernel: every M when batch-invariant; else
+    up to where it beats dequantize + GEMM (measured on SmolLM2's shapes): for blocks repacked 8
+    rows interleaved, whose cost grows slowly with the rows, 64 (they win to 64-128 rows, bf16 on
+    AMX included); else 16 where the CPU's GEMM runs the dtype natively and fast (bf16 on
+    oneDNN), 32 elsewhere."""
+    if cpu_kernels.BATCH_INVARIANT:
+        return sys.maxsize
     if x8:
         return 64
     return 16 if dtype != torch.float32 and fast_cpu_gemm(dtype) else 32
@@ -66,10 +68,12 @@ def dequantized(blocks: torch.Tensor, kind: str, shape: tuple[int, int], dtype: 
 
 
 def dense_rows(dtype: torch.dtype) -> int:
-    """Rows up to which a dense weight of this dtype runs the small-M kernel, not torch's GEMM:
-    float32 up to 32 (4 weight rows a pass: flat where MKL's sgemm steps 1.4x from 3 rows to 4,
-    and as fast at 32), native bf16 up to SMALL_M (oneDNN's AMX / packed GEMM wins), other
-    dtypes up to UPCAST_ROWS."""
+    """Rows up to which a dense weight of this dtype runs lane's kernel, not torch's GEMM: every
+    M when batch-invariant; else float32 up to 32 (4 weight rows a pass: flat where MKL's sgemm
+    steps 1.4x from 3 rows to 4, and as fast at 32), native bf16 up to SMALL_M (oneDNN's AMX /
+    packed GEMM wins), other dtypes up to UPCAST_ROWS."""
+    if cpu_kernels.BATCH_INVARIANT:
+        return sys.maxsize
     if not fast_cpu_gemm(dtype):
         return UPCAST_ROWS
     return F32_ROWS if dtype == torch.float32 and cpu_kernels.isa() in ("avx2", "avx512") else SMALL_M
@@ -158,6 +162,8 @@ class Linear(nn.Linear):
                 self.qweight, self.qx8 = packed, True
             return packed is not None
         w = self.weight
+        if cpu_kernels.BATCH_INVARIANT:  # every M runs lane's dense kernel on the weight as it is
+            return False
         if w is None or (w.device.type != "cpu" or w.dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available()
                 or not fast_cpu_gemm(torch.bfloat16)):
             return False
@@ -200,8 +206,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     dtypes the CPU's GEMM does not run natively."""
     if x.device.type != "cpu":
         return F.linear(x, weight, bias)
-    if x.dim() == 2 and x.shape[0] <= dense_rows(weight.dtype) and cpu_kernels.usable(x) and weight.is_contiguous():
-        return cpu_kernels.small_m_linear(x, weight, bias)
+    if x.shape[:-1].numel() <= dense_rows(weight.dtype) and cpu_kernels.usable(x) and weight.is_contiguous():
+        x2 = x.reshape(-1, x.shape[-1])
+        return cpu_kernels.small_m_linear(x2, weight, bias).view(*x.shape[:-1], weight.shape[0])
     if fast_cpu_gemm(weight.dtype):
         return F.linear(x, weight, bias)
     return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
@@ -227,3 +234,14 @@ def prepack_linears(model: nn.Module) -> int:
         for o in others:  # the tied embedding looks its rows up in the repacked blocks
             o.qweight, o.qx8 = m.qweight, True
     return packed
+
+
+def kernels_in_float32(model: nn.Module) -> bool:
+    """A model whose linears are GGUF blocks runs its float32 norms, rope and SwiGLU on the
+    kernels, as its fused decode step does, so that its prefill rows equal its decode rows (a
+    dense float32 model keeps torch's, bit-comparable with HF). True when it does."""
+    quantized = any(isinstance(m, Linear) and m.qkind in cpu_kernels.GGML_KINDS for m in model.modules())
+    for m in model.modules():
+        if hasattr(type(m), "kernels_float32"):
+            m.kernels_float32 = quantized
+    return quantized

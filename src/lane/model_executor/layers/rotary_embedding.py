@@ -29,6 +29,8 @@ def compute_inv_freq(hf_config, head_dim: int) -> tuple[torch.Tensor, float]:
 
 
 class RotaryEmbedding(nn.Module):
+    kernels_float32 = False  # float32 on the kernels too (linear.kernels_in_float32)
+
     def __init__(self, hf_config, head_dim: int, max_position: int) -> None:
         super().__init__()
         inv_freq, scaling = compute_inv_freq(hf_config, head_dim)
@@ -44,7 +46,7 @@ class RotaryEmbedding(nn.Module):
     def prepare(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple:
         """Once per forward, shared by every layer: the positions, and for the
         torch path their cos / sin rows in the model dtype."""
-        if cpu_kernels.fused_for(dtype, positions.device):
+        if cpu_kernels.fused_for(dtype, positions.device, self.kernels_float32):
             return positions, None, None
         return (positions, self.cos[positions].unsqueeze(1).to(dtype),
                 self.sin[positions].unsqueeze(1).to(dtype))

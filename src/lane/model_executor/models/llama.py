@@ -31,6 +31,7 @@ from lane.model_executor.models.llama_decode import FusedDecode
 class LlamaMLP(nn.Module):
     """gate | up split by rank, down by its input: one all-reduce after (step 31), or none where
     the caller sums several partials first (``reduce=False``: a MoE's shared experts)."""
+    kernels_float32 = False  # float32 SwiGLU on the kernels too (linear.kernels_in_float32)
 
     def __init__(self, hidden: int, intermediate: int, bias: bool, reduce: bool = True) -> None:
         super().__init__()
@@ -39,7 +40,7 @@ class LlamaMLP(nn.Module):
                                            compute_step=Step.OPS_FFN, reduce=reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.kernels_float32))
 
 
 class LlamaAttention(nn.Module):

@@ -1,11 +1,18 @@
-// Small-M linear layers (decode): y = x W^T (+ b). torch's GEMM for a few rows reads
-// weights at a fraction of DRAM bandwidth on a CPU, and MKL's sgemm steps 1.4x from 3 rows to
-// 4; here each weight row is streamed once per call and dotted with the input rows in fp32:
-// fp32 weights (AVX2 / AVX-512) 4 rows at a time against 2-4 input rows in vector registers,
-// bf16 / fp16 ones up to eight input rows at a time (16 weight rows stay in cache for the next
-// eight). x, b and y any of the three dtypes.
+// Dense linear layers: y = x W^T (+ b), for any number of rows. torch's GEMM for a few rows
+// reads weights at a fraction of DRAM bandwidth on a CPU, and its GEMMs change their
+// reduction order with M (MKL steps at 3 -> 4 rows, oneDNN picks kernels by shape), so a
+// row's result would depend on the rows beside it. Here every output element is one dot
+// product computed the same way whatever M is: one vector accumulator over K in whole
+// vectors, a fixed horizontal sum, then K's tail in order. The arithmetic is fp32; bf16 /
+// fp16 weights are widened exactly (in registers for a chunk of rows, or once into a
+// buffer when many chunks reuse them: the same values either way).
+//   The loop: groups of 4 weight rows (split over threads) against chunks of C input rows,
+// in blocks of kMBlock rows so a block of x stays in L2 while the thread's weights stream
+// past it. Weight rows past the last whole group (N % 4) take a scalar loop, one input row
+// at a time (its order depends on n only).
 #include "common.h"
 
+#include <type_traits>
 #include <vector>
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -15,43 +22,37 @@ namespace {
 
 using namespace lane;
 
-template <typename W, int MC>
-void rows(const W* w, const float* x, float* y, int64_t N, int64_t K, int64_t n0, int64_t n1) {
-  for (int64_t n = n0; n < n1; ++n) {
-    const W* wr = w + n * K;
-    float acc[MC];
-    for (int m = 0; m < MC; ++m) acc[m] = 0.f;
-    for (int64_t k = 0; k < K; ++k) {
-      const float v = to_f(wr[k]);
-      for (int m = 0; m < MC; ++m) acc[m] += v * x[m * K + k];
-    }
-    for (int m = 0; m < MC; ++m) y[m * N + n] = acc[m];
-  }
-}
+constexpr int64_t kMBlock = 64;
 
-// rows n0..n1 of y for all M inputs, in chunks of 8 / 4 / 2 / 1 rows of x
+// one weight row against one input row, in order (no vector registers)
 template <typename W>
-void tile(const W* w, const float* x, float* y, int64_t M, int64_t N, int64_t K, int64_t n0,
-          int64_t n1) {
-  int64_t m = 0;
-  for (; m + 8 <= M; m += 8) rows<W, 8>(w, x + m * K, y + m * N, N, K, n0, n1);
-  if (m + 4 <= M) { rows<W, 4>(w, x + m * K, y + m * N, N, K, n0, n1); m += 4; }
-  if (m + 2 <= M) { rows<W, 2>(w, x + m * K, y + m * N, N, K, n0, n1); m += 2; }
-  if (m < M) rows<W, 1>(w, x + m * K, y + m * N, N, K, n0, n1);
+float dot_scalar(const W* w, const float* x, int64_t K) {
+  float acc = 0.f;
+  for (int64_t k = 0; k < K; ++k) acc += to_f(w[k]) * x[k];
+  return acc;
 }
 
 #if defined(__AVX2__)
-// fp32 weights: 4 weight rows at a time against C input rows, k in whole vectors, so each
-// vector of x feeds 4 rows' FMAs (the plain loop above loads one x vector per FMA); the next
-// 4 rows are prefetched as these stream. C: 4 rows of x in zmm (16 sums), 2 in ymm (8 sums).
 #if defined(__AVX512F__)
 struct VecF {
   using V = __m512;
   static constexpr int kW = 16, kC = 4;
   static V zero() { return _mm512_setzero_ps(); }
   static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V load(const bf16* p) {
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  }
+  static V load(const f16* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
   static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
-  static float sum(V v) { return _mm512_reduce_add_ps(v); }
+  static float sum(V v) {  // a fixed tree: halves, then the 8-lane sum
+    const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v),
+                                   _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+  }
 };
 #else
 struct VecF {
@@ -59,6 +60,12 @@ struct VecF {
   static constexpr int kW = 8, kC = 2;
   static V zero() { return _mm256_setzero_ps(); }
   static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V load(const bf16* p) {
+    return _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+  }
+  static V load(const f16* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
   static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static float sum(V v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -68,21 +75,21 @@ struct VecF {
 };
 #endif
 
-template <int C>
-void rows4_f32(const float* w, const float* x, float* y, int64_t N, int64_t K, int64_t n) {
+// 4 weight rows (row i at w + i * ws) against C input rows: y[c * N + n + i]. Each vector of x
+// feeds 4 rows' FMAs; the next rows are prefetched (decode streams weights from DRAM).
+template <int C, typename W>
+void rows4(const W* w, int64_t ws, const float* x, float* y, int64_t N, int64_t K, int64_t n) {
   using V = VecF::V;
   constexpr int kW = VecF::kW;
   const int64_t kv = K / kW * kW;
-  const float* wr[4];
-  for (int i = 0; i < 4; ++i) wr[i] = w + (n + i) * K;
   V acc[4][C];
   for (int i = 0; i < 4; ++i)
     for (int c = 0; c < C; ++c) acc[i][c] = VecF::zero();
   for (int64_t k = 0; k < kv; k += kW) {
     V wv[4];
     for (int i = 0; i < 4; ++i) {
-      __builtin_prefetch(wr[i] + 4 * K + k);
-      wv[i] = VecF::load(wr[i] + k);
+      __builtin_prefetch(w + i * ws + 4 * ws + k);
+      wv[i] = VecF::load(w + i * ws + k);
     }
     for (int c = 0; c < C; ++c) {
       const V xv = VecF::load(x + c * K + k);
@@ -92,31 +99,64 @@ void rows4_f32(const float* w, const float* x, float* y, int64_t N, int64_t K, i
   for (int i = 0; i < 4; ++i)
     for (int c = 0; c < C; ++c) {
       float t = VecF::sum(acc[i][c]);
-      for (int64_t k = kv; k < K; ++k) t += wr[i][k] * x[c * K + k];
+      for (int64_t k = kv; k < K; ++k) t += to_f(w[i * ws + k]) * x[c * K + k];
       y[c * N + n + i] = t;
     }
 }
 
-// rows n0..n1 of y (fp32 weights) for all M inputs: blocks of 4 weight rows, each against every
-// chunk of C input rows while its 4 rows sit in L1; a last 1-3 rows take the plain loop
-void tile_f32(const float* w, const float* x, float* y, int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
+template <typename W>
+void rows4_chunk(const W* w, int64_t ws, const float* x, float* y, int64_t c, int64_t N, int64_t K, int64_t n) {
+  // (a chunk has at most kC rows: the clamps keep rows4<3>, <4> out of AVX2 builds)
   constexpr int C = VecF::kC;
-  int64_t n = n0;
-  for (; n + 4 <= n1; n += 4) {
-    const int64_t chunks = (M + C - 1) / C;  // balanced: M = 5 runs 3 + 2, not 4 + 1
-    for (int64_t m = 0, j = 0; j < chunks; ++j) {
-      const int64_t c = M / chunks + (j < M % chunks);
-      // (a chunk has at most C rows: the clamps only keep rows4_f32<3>, <4> out of AVX2 builds)
-      if (c == 4) rows4_f32<4 < C ? 4 : C>(w, x + m * K, y + m * N, N, K, n);
-      else if (c == 3) rows4_f32<3 < C ? 3 : C>(w, x + m * K, y + m * N, N, K, n);
-      else if (c == 2) rows4_f32<2>(w, x + m * K, y + m * N, N, K, n);
-      else rows4_f32<1>(w, x + m * K, y + m * N, N, K, n);
-      m += c;
+  if (c == 4) rows4<4 < C ? 4 : C>(w, ws, x, y, N, K, n);
+  else if (c == 3) rows4<3 < C ? 3 : C>(w, ws, x, y, N, K, n);
+  else if (c == 2) rows4<2>(w, ws, x, y, N, K, n);
+  else rows4<1>(w, ws, x, y, N, K, n);
+}
+
+// rows m0..m1 of y, weight groups [g0, g1): each group of 4 against the rows in chunks of kC
+template <typename W>
+void groups(const W* w, const float* x, float* y, int64_t m0, int64_t m1, int64_t N, int64_t K, int64_t g0,
+            int64_t g1, float* wide) {
+  constexpr int64_t C = VecF::kC;
+  const int64_t M = m1 - m0;
+  for (int64_t g = g0; g < g1; ++g) {
+    const int64_t n = 4 * g;
+    const W* wg = w + n * K;
+    if (M > C && !std::is_same<W, float>::value) {  // widen once for every chunk
+      for (int i = 0; i < 4; ++i)
+        for (int64_t k = 0; k < K; ++k) wide[i * K + k] = to_f(wg[i * K + k]);
+    }
+    for (int64_t m = m0; m < m1; m += C) {
+      const int64_t c = m1 - m < C ? m1 - m : C;
+      if (M > C && !std::is_same<W, float>::value)
+        rows4_chunk<float>(wide, K, x + m * K, y + m * N, c, N, K, n);
+      else
+        rows4_chunk<W>(wg, K, x + m * K, y + m * N, c, N, K, n);
     }
   }
-  if (n < n1) tile<float>(w, x, y, M, N, K, n, n1);
 }
 #endif
+
+template <typename W>
+void linear_rows(const W* w, const float* x, float* y, int64_t M, int64_t N, int64_t K, int threads) {
+#if defined(__AVX2__)
+  const int64_t ng = N / 4;
+  parallel_for(ng, 4, threads, [&](int64_t g0, int64_t g1) {
+    float* wide = scratch<float, 22>(4 * K);
+    for (int64_t m0 = 0; m0 < M; m0 += kMBlock)
+      groups<W>(w, x, y, m0, m0 + kMBlock < M ? m0 + kMBlock : M, N, K, g0, g1, wide);
+  });
+  const int64_t n_tail = 4 * ng;
+#else
+  const int64_t n_tail = 0;
+#endif
+  if (n_tail < N)
+    parallel_for(N - n_tail, 16, threads, [&](int64_t a, int64_t b) {
+      for (int64_t n = n_tail + a; n < n_tail + b; ++n)
+        for (int64_t m = 0; m < M; ++m) y[m * N + n] = dot_scalar(w + n * K, x + m * K, K);
+    });
+}
 
 template <typename T>
 void widen(const void* src, float* dst, int64_t n) {
@@ -136,25 +176,15 @@ void narrow(const float* src, void* dst, int64_t n) {
 extern "C" void lane_small_m_linear(const void* x, int x_dtype, const void* w, int w_dtype,
                                     const void* bias, void* y, int64_t M, int64_t N, int64_t K,
                                     int threads) {
-  std::vector<float> xf(M * K), yf(M * N), bf(bias ? N : 0);
-  LANE_DISPATCH(x_dtype, T, widen<T>(x, xf.data(), M * K));
-  if (bias) LANE_DISPATCH(w_dtype, T, widen<T>(bias, bf.data(), N));
-#if defined(__AVX2__)
-  if (w_dtype == kF32) {
-    parallel_for(N, 16, threads, [&](int64_t n0, int64_t n1) {
-      tile_f32(static_cast<const float*>(w), xf.data(), yf.data(), M, N, K, n0, n1);
-    });
-  } else
-#endif
-  LANE_DISPATCH(w_dtype, W, {
-    const W* wp = static_cast<const W*>(w);
-    parallel_for(N, 16, threads, [&](int64_t n0, int64_t n1) {
-      for (int64_t t0 = n0; t0 < n1; t0 += 16)  // 16 weight rows stay in cache for every x chunk
-        tile<W>(wp, xf.data(), yf.data(), M, N, K, t0, t0 + 16 < n1 ? t0 + 16 : n1);
-    });
-  });
-  if (bias)
+  float* xf = scratch<float, 20>(M * K);
+  float* yf = scratch<float, 21>(M * N);
+  LANE_DISPATCH(x_dtype, T, widen<T>(x, xf, M * K));
+  LANE_DISPATCH(w_dtype, W, linear_rows<W>(static_cast<const W*>(w), xf, yf, M, N, K, threads));
+  if (bias) {
+    std::vector<float> bf(N);
+    LANE_DISPATCH(w_dtype, T, widen<T>(bias, bf.data(), N));
     for (int64_t m = 0; m < M; ++m)
       for (int64_t n = 0; n < N; ++n) yf[m * N + n] += bf[n];
-  LANE_DISPATCH(x_dtype, T, narrow<T>(yf.data(), y, M * N));
+  }
+  LANE_DISPATCH(x_dtype, T, narrow<T>(yf, y, M * N));
 }
