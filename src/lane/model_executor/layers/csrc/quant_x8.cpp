@@ -533,15 +533,23 @@ extern "C" void lane_quant_x8_linear(const void* x, int x_dtype, const uint8_t* 
 #if defined(__AVX2__)
   const Pairs pairs = use_vnni() ? pair_rows(qtype, qx, dx, sx, isum, M, K) : Pairs{};
 #endif
-  LANE_DISPATCH(y_dtype, T, parallel_for(N / kX8Rows, 4, threads, [&](int64_t g0, int64_t g1) {
-    T* yp = static_cast<T*>(y);
+  // the kernels write fp32 (one instantiation per kind and row count, not three: the build's
+  // longest unit), rounded to y's dtype per thread while its columns are in cache
+  float* yf = y_dtype == kF32 ? static_cast<float*>(y) : scratch<float, 8>(M * N);
+  parallel_for(N / kX8Rows, 4, threads, [&](int64_t g0, int64_t g1) {
 #if defined(__AVX2__)
     if (use_vnni())
-      groups_vnni<T>(w, qtype, pairs, bias, yp, M, N, K, g0, g1);
+      groups_vnni<float>(w, qtype, pairs, bias, yf, M, N, K, g0, g1);
     else
-      groups_avx2<T>(w, qtype, qx, dx, sx, isum, bias, yp, M, N, K, g0, g1);
+      groups_avx2<float>(w, qtype, qx, dx, sx, isum, bias, yf, M, N, K, g0, g1);
 #else
-    groups_scalar<T>(w, qtype, qx, dx, sx, isum, bias, yp, M, N, K, g0, g1);
+    groups_scalar<float>(w, qtype, qx, dx, sx, isum, bias, yf, M, N, K, g0, g1);
 #endif
-  }));
+    if (y_dtype != kF32)
+      LANE_DISPATCH(y_dtype, T, {
+        T* yp = static_cast<T*>(y);
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t n = g0 * kX8Rows; n < g1 * kX8Rows; ++n) yp[m * N + n] = from_f<T>(yf[m * N + n]);
+      });
+  });
 }
