@@ -9,9 +9,12 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+import torch
 
 from lane import LLM, SamplingParams
+from lane.model_executor.layers import cpu_kernels
 
 PREFIX = ("You are a careful assistant. Answer in one short paragraph, plainly, and do not repeat the "
           "question. Here is the question:")  # shared by all: later prompts hit its blocks
@@ -22,6 +25,66 @@ TOPICS = ["why the sky is blue", "how bees make honey", "what a compiler does", 
 PROMPTS = [f"{PREFIX} explain {t}." + " Please be brief." * (i % 4) for i, t in enumerate(TOPICS)]
 SP = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 CONFIGS = [("auto", "bfloat16"), ("auto", "float32"), ("none", "bfloat16"), ("none", "float32")]
+
+
+# -- the kernels: a row computed among M rows equals the row computed alone, bit for bit ------
+
+ROWS = (5, 17, 37, 70)  # across every register-block and pass boundary the kernels have
+
+
+def rows_alone(fn, x: torch.Tensor) -> torch.Tensor:
+    return torch.cat([fn(x[i:i + 1]) for i in range(x.shape[0])])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gguf_kernels_rows_independent(dtype):
+    from test_kquant import random_blocks as kquant_blocks
+    from test_quant_linear import random_blocks
+
+    assert cpu_kernels.build()
+    g = torch.Generator().manual_seed(0)
+    rng = np.random.default_rng(0)
+    N, K = 64, 512
+    for kind in cpu_kernels.GGML_KINDS:
+        if kind in cpu_kernels.K_KINDS:
+            layouts = [(torch.from_numpy(kquant_blocks(kind, N, K, rng)), False)]
+        else:
+            blocks = random_blocks(kind, N, K, g)
+            layouts = [(blocks, False), (cpu_kernels.repack_x8(blocks, kind, N), True)]
+        for w, x8 in layouts:
+            for M in ROWS:
+                x = torch.randn(M, K, generator=g).to(dtype)
+                fn = lambda r: cpu_kernels.quant_linear(r, w, kind, N, x8=x8)  # noqa: E731
+                assert torch.equal(fn(x), rows_alone(fn, x)), (kind, x8, M)
+
+
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_dense_kernel_rows_independent(wdtype):
+    assert cpu_kernels.build()
+    g = torch.Generator().manual_seed(1)
+    for N, K in ((66, 200), (64, 576)):  # N % 4 and K % 16 tails too
+        w = (torch.randn(N, K, generator=g) * 0.05).to(wdtype)
+        for xdtype in (torch.float32, torch.bfloat16):
+            for M in ROWS + (130,):  # past a 64-row block
+                x = torch.randn(M, K, generator=g).to(xdtype)
+                fn = lambda r: cpu_kernels.small_m_linear(r, w, None)  # noqa: E731
+                assert torch.equal(fn(x), rows_alone(fn, x)), (wdtype, xdtype, N, K, M)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_rows_attend_as_decode_rows(dtype):
+    """A chunk at positions 20..59 of one request: each row equals that position's decode row."""
+    assert cpu_kernels.build()
+    g = torch.Generator().manual_seed(2)
+    H, KVH, D, BS, done, n = 9, 3, 64, 16, 20, 40
+    kc = torch.randn(8, KVH, BS, D, generator=g).to(dtype)
+    vc = torch.randn(8, KVH, BS, D, generator=g).to(dtype)
+    ids = torch.tensor([3, 1, 6, 4])
+    q = torch.randn(n, H, D, generator=g).to(dtype)
+    chunk = cpu_kernels.prefill_rows_attention(q, kc, vc, ids, done, 0.125)
+    for i in range(n):
+        row = cpu_kernels.decode_attention(q[i:i + 1], kc, vc, ids[None], torch.tensor([done + i + 1]), 0.125)
+        assert torch.equal(chunk[i:i + 1], row), i
 
 
 def tokens(outs) -> list[list[int]]:

@@ -24,11 +24,21 @@ using namespace lane;
 
 constexpr int64_t kMBlock = 64;
 
+// a * b + c in one rounding where the ISA has FMA (explicitly: the compiler would contract
+// a * b + c as it likes per instantiation), else two (nothing to contract)
+inline float madd(float a, float b, float c) {
+#if defined(__FMA__)
+  return __builtin_fmaf(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
 // one weight row against one input row, in order (no vector registers)
 template <typename W>
 float dot_scalar(const W* w, const float* x, int64_t K) {
   float acc = 0.f;
-  for (int64_t k = 0; k < K; ++k) acc += to_f(w[k]) * x[k];
+  for (int64_t k = 0; k < K; ++k) acc = madd(to_f(w[k]), x[k], acc);
   return acc;
 }
 
@@ -99,7 +109,7 @@ void rows4(const W* w, int64_t ws, const float* x, float* y, int64_t N, int64_t 
   for (int i = 0; i < 4; ++i)
     for (int c = 0; c < C; ++c) {
       float t = VecF::sum(acc[i][c]);
-      for (int64_t k = kv; k < K; ++k) t += to_f(w[i * ws + k]) * x[c * K + k];
+      for (int64_t k = kv; k < K; ++k) t = madd(to_f(w[i * ws + k]), x[c * K + k], t);
       y[c * N + n + i] = t;
     }
 }
