@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -153,26 +154,51 @@ inline __m512 exp512(__m512 x) {
   return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
 
-template <int DV>
-void decode_bf16_avx512(const bf16* q_, const bf16* kc_, const bf16* vc_, const int64_t* tables,
-                        const int32_t* lens, bf16* out, int64_t B, int64_t H, int64_t KVH,
-                        int64_t BS, int64_t MB, float scale, int threads) {
-  constexpr int64_t D = DV * 16;
-  const uint16_t* qp = reinterpret_cast<const uint16_t*>(q_);
-  const uint16_t* kc = reinterpret_cast<const uint16_t*>(kc_);
-  const uint16_t* vc = reinterpret_cast<const uint16_t*>(vc_);
+inline __m512 load16(const uint16_t* p) { return bf16x16(p); }
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+// v[0..15] -> one vector whose lane t is the sum of v[t]'s 16 lanes (a fixed tree: pairs within
+// 128-bit lanes, then across them): ~3 instructions a vector, where a reduce_add is ~8
+inline __m512 transpose_sum16(const __m512* v) {
+  __m512 a[8], b[4];
+  for (int i = 0; i < 8; ++i)
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  // b[i]'s 128-bit lane L holds the lane-L sums of v[4i .. 4i + 3]
+  const __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88), _mm512_shuffle_f32x4(b[0], b[1], 0xdd));
+  const __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88), _mm512_shuffle_f32x4(b[2], b[3], 0xdd));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xdd));
+}
+
+// AVX-512 path for a bf16 or fp32 cache, head_dim = 16 * DV, block size 16: K/V rows widen to
+// fp32 in registers; a block's 16 scores per head come out of one transposed sum, so the
+// softmax of the block runs in one register.
+template <typename T, int DV>
+void decode_avx512(const T* q_, const T* kc_, const T* vc_, const int64_t* tables, const int32_t* lens, T* out,
+                   int64_t B, int64_t H, int64_t KVH, int64_t MB, float scale, int threads) {
+  constexpr int64_t D = DV * 16, BS = 16;
+  using E = typename std::conditional<std::is_same<T, float>::value, float, uint16_t>::type;
+  const E* qp = reinterpret_cast<const E*>(q_);
+  const E* kc = reinterpret_cast<const E*>(kc_);
+  const E* vc = reinterpret_cast<const E*>(vc_);
   const int64_t G = H / KVH;
   const int64_t blk_stride = KVH * BS * D;
   parallel_for(B * KVH, 1, threads, [&](int64_t begin, int64_t end) {
     std::vector<__m512> qv(G * DV), acc(G * DV);
-    std::vector<float> s(G * BS), m(G), l(G);
+    std::vector<float> m(G), l(G);
+    alignas(64) float kf[BS * D];  // the block's K rows widened
+    std::vector<float> pbuf(16 * G + 16);
+    float* p = pbuf.data();
     const __m512 vscale = _mm512_set1_ps(scale);
     for (int64_t pair = begin; pair < end; ++pair) {
       const int64_t b = pair / KVH, h = pair % KVH;
       const int64_t L = lens[b];
       for (int64_t g = 0; g < G; ++g) {
         for (int i = 0; i < DV; ++i) {
-          qv[g * DV + i] = _mm512_mul_ps(bf16x16(qp + (b * H + h * G + g) * D + 16 * i), vscale);
+          qv[g * DV + i] = _mm512_mul_ps(load16(qp + (b * H + h * G + g) * D + 16 * i), vscale);
           acc[g * DV + i] = _mm512_setzero_ps();
         }
         m[g] = -INFINITY;
@@ -184,77 +210,41 @@ void decode_bf16_avx512(const bf16* q_, const bf16* kc_, const bf16* vc_, const 
         const int64_t n = std::min(BS, L - j * BS);
         if (j + 1 < nblocks) {
           const int64_t next = tables[b * MB + j + 1] * blk_stride + h * BS * D;
-          for (int64_t off = 0; off < BS * D; off += 32) {
+          for (int64_t off = 0; off < BS * D; off += 64 / static_cast<int64_t>(sizeof(E))) {
             _mm_prefetch(reinterpret_cast<const char*>(kc + next + off), _MM_HINT_T0);
             _mm_prefetch(reinterpret_cast<const char*>(vc + next + off), _MM_HINT_T0);
           }
         }
-        int64_t t = 0;
-        for (; t + 4 <= n; t += 4) {  // four tokens: four independent FMA chains per head
-          __m512 k0[DV], k1[DV], k2[DV], k3[DV];
-          for (int i = 0; i < DV; ++i) {
-            k0[i] = bf16x16(kc + base + t * D + 16 * i);
-            k1[i] = bf16x16(kc + base + (t + 1) * D + 16 * i);
-            k2[i] = bf16x16(kc + base + (t + 2) * D + 16 * i);
-            k3[i] = bf16x16(kc + base + (t + 3) * D + 16 * i);
+        // rows past n are zeros here, never the cache's contents (which may be anything)
+        for (int64_t t = 0; t < BS; ++t)
+          for (int i = 0; i < DV; ++i)
+            _mm512_store_ps(kf + t * D + 16 * i, t < n ? load16(kc + base + t * D + 16 * i) : _mm512_setzero_ps());
+        const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
+        for (int64_t g = 0; g < G; ++g) {  // scores and softmax, head by head
+          const __m512* qg = &qv[g * DV];
+          __m512 dots[BS];
+          for (int64_t t = 0; t < BS; ++t) {
+            __m512 a = _mm512_mul_ps(qg[0], _mm512_load_ps(kf + t * D));
+            for (int i = 1; i < DV; ++i) a = _mm512_fmadd_ps(qg[i], _mm512_load_ps(kf + t * D + 16 * i), a);
+            dots[t] = a;
           }
-          for (int64_t g = 0; g < G; ++g) {
-            const __m512* qg = &qv[g * DV];
-            __m512 a0 = _mm512_mul_ps(qg[0], k0[0]), a1 = _mm512_mul_ps(qg[0], k1[0]);
-            __m512 a2 = _mm512_mul_ps(qg[0], k2[0]), a3 = _mm512_mul_ps(qg[0], k3[0]);
-            for (int i = 1; i < DV; ++i) {
-              a0 = _mm512_fmadd_ps(qg[i], k0[i], a0);
-              a1 = _mm512_fmadd_ps(qg[i], k1[i], a1);
-              a2 = _mm512_fmadd_ps(qg[i], k2[i], a2);
-              a3 = _mm512_fmadd_ps(qg[i], k3[i], a3);
-            }
-            float* sg = &s[g * BS + t];
-            sg[0] = _mm512_reduce_add_ps(a0);
-            sg[1] = _mm512_reduce_add_ps(a1);
-            sg[2] = _mm512_reduce_add_ps(a2);
-            sg[3] = _mm512_reduce_add_ps(a3);
-          }
-        }
-        for (; t < n; ++t) {
-          __m512 kr[DV];
-          for (int i = 0; i < DV; ++i) kr[i] = bf16x16(kc + base + t * D + 16 * i);
-          for (int64_t g = 0; g < G; ++g) {
-            const __m512* qg = &qv[g * DV];
-            __m512 a = _mm512_mul_ps(qg[0], kr[0]);
-            for (int i = 1; i < DV; ++i) a = _mm512_fmadd_ps(qg[i], kr[i], a);
-            s[g * BS + t] = _mm512_reduce_add_ps(a);
-          }
-        }
-        for (int64_t g = 0; g < G; ++g) {
-          float* sg = &s[g * BS];
-          float mb = m[g];
-          float sum = 0.f;
-          if (BS == 16) {  // the whole block's scores in one register
-            const __mmask16 k = static_cast<__mmask16>((1u << n) - 1u);
-            const __m512 sv = _mm512_maskz_loadu_ps(k, sg);
-            const float bm = _mm512_mask_reduce_max_ps(k, sv);
-            mb = bm > mb ? bm : mb;
-            const __m512 e = _mm512_maskz_mov_ps(k, exp512(_mm512_sub_ps(sv, _mm512_set1_ps(mb))));
-            _mm512_storeu_ps(sg, e);
-            sum = _mm512_reduce_add_ps(e);
-          } else {
-  #pragma omp simd reduction(max : mb)  // a float max only vectorises as an OpenMP reduction
-          for (int64_t t = 0; t < n; ++t) mb = sg[t] > mb ? sg[t] : mb;
-            for (int64_t t = 0; t < n; ++t) { sg[t] = fast_exp(sg[t] - mb); sum += sg[t]; }
-          }
+          const __m512 sv = transpose_sum16(dots);
+          const float bm = _mm512_mask_reduce_max_ps(valid, sv);
+          const float mb = bm > m[g] ? bm : m[g];
+          const __m512 e = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(sv, _mm512_set1_ps(mb))));
           const float c = m[g] == -INFINITY ? 0.f : fast_exp(m[g] - mb);
-          l[g] = l[g] * c + sum;
+          l[g] = l[g] * c + _mm512_reduce_add_ps(e);
           m[g] = mb;
+          _mm512_storeu_ps(p + 16 * g, e);
           const __m512 vc_ = _mm512_set1_ps(c);
           for (int i = 0; i < DV; ++i) acc[g * DV + i] = _mm512_mul_ps(acc[g * DV + i], vc_);
         }
-        for (int64_t t = 0; t < n; ++t) {
+        for (int64_t t = 0; t < n; ++t) {  // acc += p . v: each V row widened once for every head
           __m512 vr[DV];
-          for (int i = 0; i < DV; ++i) vr[i] = bf16x16(vc + base + t * D + 16 * i);
+          for (int i = 0; i < DV; ++i) vr[i] = load16(vc + base + t * D + 16 * i);
           for (int64_t g = 0; g < G; ++g) {
-            const __m512 p = _mm512_set1_ps(s[g * BS + t]);
-            __m512* a = &acc[g * DV];
-            for (int i = 0; i < DV; ++i) a[i] = _mm512_fmadd_ps(p, vr[i], a[i]);
+            const __m512 pt = _mm512_set1_ps(p[16 * g + t]);
+            for (int i = 0; i < DV; ++i) acc[g * DV + i] = _mm512_fmadd_ps(pt, vr[i], acc[g * DV + i]);
           }
         }
       }
@@ -263,8 +253,7 @@ void decode_bf16_avx512(const bf16* q_, const bf16* kc_, const bf16* vc_, const 
         alignas(64) float tmp[16];
         for (int i = 0; i < DV; ++i) {
           _mm512_store_ps(tmp, _mm512_mul_ps(acc[g * DV + i], _mm512_set1_ps(inv)));
-          for (int e = 0; e < 16; ++e)
-            out[(b * H + h * G + g) * D + 16 * i + e] = from_f<bf16>(tmp[e]);
+          for (int e = 0; e < 16; ++e) out[(b * H + h * G + g) * D + 16 * i + e] = from_f<T>(tmp[e]);
         }
       }
     }
@@ -272,23 +261,22 @@ void decode_bf16_avx512(const bf16* q_, const bf16* kc_, const bf16* vc_, const 
 }
 #endif
 
-// The AVX-512 path where it applies (bf16 cache, head_dim 64 or 128); false otherwise.
+// The AVX-512 path where it applies (a bf16 or fp32 cache, head_dim 64 or 128, block size 16);
+// false otherwise.
 template <typename T>
-bool try_avx512(const T*, const T*, const T*, const int64_t*, const int32_t*, T*, int64_t, int64_t,
-                int64_t, int64_t, int64_t, int64_t, float, int) {
+bool try_avx512(const T* q, const T* kc, const T* vc, const int64_t* tables, const int32_t* lens, T* out,
+                int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t BS, int64_t MB, float scale, int threads) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same<T, bf16>::value || std::is_same<T, float>::value) {
+    if (BS != 16) return false;
+    if (D == 64) decode_avx512<T, 4>(q, kc, vc, tables, lens, out, B, H, KVH, MB, scale, threads);
+    else if (D == 128) decode_avx512<T, 8>(q, kc, vc, tables, lens, out, B, H, KVH, MB, scale, threads);
+    else return false;
+    return true;
+  }
+#endif
   return false;
 }
-#if defined(__AVX512F__)
-template <>
-bool try_avx512<bf16>(const bf16* q, const bf16* kc, const bf16* vc, const int64_t* tables,
-                      const int32_t* lens, bf16* out, int64_t B, int64_t H, int64_t KVH, int64_t D,
-                      int64_t BS, int64_t MB, float scale, int threads) {
-  if (D == 64) decode_bf16_avx512<4>(q, kc, vc, tables, lens, out, B, H, KVH, BS, MB, scale, threads);
-  else if (D == 128) decode_bf16_avx512<8>(q, kc, vc, tables, lens, out, B, H, KVH, BS, MB, scale, threads);
-  else return false;
-  return true;
-}
-#endif
 
 template <typename T>
 void paged_decode(const T* qp, const T* kc, const T* vc, const int64_t* tp, const int32_t* lp, T* op,
