@@ -267,10 +267,10 @@ LANE_X8_VNNI void pair_dots(const uint8_t* o0, const uint8_t* o1, const uint8_t*
 // zmm registers, and a second pass repeats the weights' unpacking, a fifth of a pass's work
 constexpr int64_t kPairRows = 16;
 
-// How a pass gets a group's unpacked weights: unpacks them (one pass), unpacks and keeps them
-// in the tile (the first of several), or reads the tile (the later ones). Separate code, so
-// the registers of the one never pass through the stack for the other.
-enum TileMode { kUnpack, kFill, kRead };
+// How a pass gets a group's unpacked weights: unpacks them (and keeps them in the tile where
+// one is given: the first of several passes), or reads the tile (the later ones). Separate
+// code, so the registers of the one never pass through the stack for the other.
+enum TileMode { kUnpack, kRead };
 
 // One group of 8 weight rows against R input rows
 template <int Q, int R, int Mode, typename T>
@@ -289,7 +289,7 @@ LANE_X8_VNNI inline void pair_group_rows(const uint8_t* gp, int64_t nb, const Pa
       w = &tile[j];
     } else {
       unpacked = pair_load<Q>(o0, 2 * j + 1 < nb ? o0 + gb : nullptr);
-      if constexpr (Mode == kFill) tile[j] = unpacked;
+      if (tile) tile[j] = unpacked;
     }
     for (int r = 0; r < R; ++r) {
       const int64_t o = (m0 + r) * x.np + j;
@@ -320,8 +320,7 @@ LANE_X8_VNNI void pair_groups(const uint8_t* wp, const Pairs& x, const float* bi
       switch (r) {
 #define LANE_X8_CASE(R) \
   case R:                                                                                          \
-    if (passes == 1) pair_group_rows<Q, R, kUnpack, T>(gp, nb, x, m, bias, y, N, g * kX8Rows, tile); \
-    else if (p == 0) pair_group_rows<Q, R, kFill, T>(gp, nb, x, m, bias, y, N, g * kX8Rows, tile);   \
+    if (p == 0) pair_group_rows<Q, R, kUnpack, T>(gp, nb, x, m, bias, y, N, g * kX8Rows, tile);     \
     else pair_group_rows<Q, R, kRead, T>(gp, nb, x, m, bias, y, N, g * kX8Rows, tile);               \
     break;
         LANE_X8_CASE(1) LANE_X8_CASE(2) LANE_X8_CASE(3) LANE_X8_CASE(4)
