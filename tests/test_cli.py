@@ -93,3 +93,14 @@ def test_a_machine_with_a_gpu_runs_on_its_cpu(monkeypatch):
     assert ModelConfig(device="cpu").device_type == torch.device("cpu")
     with pytest.raises(ValueError, match="--device cuda: lane runs on the CPU only"):
         ModelConfig(device="cuda")
+
+
+def test_build_kernels_is_the_install_step():
+    """`lane build-kernels` (the README's install ends with it) leaves the build `lane serve` loads."""
+    from lane import platform
+    from lane.model_executor.layers import cpu_kernels
+
+    r = run("build-kernels")
+    assert r.returncode == 0, r.stderr
+    assert f"CPU kernels for {platform.cpu_isa()} ready in {cpu_kernels.cache_root()}" in r.stdout
+    assert cpu_kernels.build() and cpu_kernels.isa() == platform.cpu_isa()

@@ -1,4 +1,4 @@
-"""The ``lane`` command: generate, serve, bench, trace, explain, tiny-model."""
+"""The ``lane`` command: generate, serve, bench, trace, explain, tiny-model, build-kernels."""
 from __future__ import annotations
 
 import argparse
@@ -149,6 +149,26 @@ def chat_options(args: argparse.Namespace, parser: argparse.ArgumentParser):
     return ChatOptions(template, args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser)
 
 
+def cmd_build_kernels() -> int:
+    import time
+
+    from lane import platform
+    from lane.model_executor.layers import cpu_kernels
+
+    set_level("INFO")  # the build's progress lines
+    t0 = time.perf_counter()
+    if os.environ.get("LANE_CPU_KERNELS", "1") == "0":
+        print("LANE_CPU_KERNELS=0: the kernels are off; nothing to build", file=sys.stderr)
+        return 0
+    if not cpu_kernels.build():  # not an error: lane runs its torch paths (the install goes on)
+        print("the CPU kernels could not be built (see the warning above); lane will run its torch paths",
+              file=sys.stderr)
+        return 0
+    print(f"CPU kernels for {platform.cpu_isa()} ready in {cpu_kernels.cache_root()} "
+          f"({time.perf_counter() - t0:.1f} s)")
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import asyncio
 
@@ -171,6 +191,12 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         SpeculativeConfig.parse(eargs.speculative_config)  # its syntax now; what the model allows at start
     except (ValueError, FileNotFoundError, TypeError) as e:
         parser.error(str(e))
+    if eargs.device in (None, "auto", "cpu"):
+        # compile the CPU kernels (or find them cached) from now on, while the API server and the
+        # engine processes import and load; the engine's own build waits on the build's lock
+        from lane.model_executor.layers import cpu_kernels
+
+        cpu_kernels.start_build()
     if args.headless != (pc.node_rank > 0):
         parser.error("--headless goes with --node-rank > 0 (node 0 runs the engine and the API server)"
                      if args.headless else f"--node-rank {pc.node_rank} runs workers only: add --headless")
@@ -332,7 +358,11 @@ def main(argv: list[str] | None = None) -> int:
     tm.add_argument("--shape", default=None, choices=["llama-3.2-1b", "llama-3.2-3b"],
                     help="llama only: a full-size random Llama of this Llama-3.2 shape (SmolLM2's vocabulary), "
                          "in bf16, written one tensor at a time")
+    sub.add_parser("build-kernels", help="compile the CPU kernels for this CPU now (the install's last step), "
+                                         "so the first `lane serve` finds them cached")
     args = parser.parse_args(argv)
+    if args.command == "build-kernels":
+        return cmd_build_kernels()
     if args.command == "explain":
         from lane.entrypoints.explain import explain
 
