@@ -191,12 +191,6 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         SpeculativeConfig.parse(eargs.speculative_config)  # its syntax now; what the model allows at start
     except (ValueError, FileNotFoundError, TypeError) as e:
         parser.error(str(e))
-    if eargs.device in (None, "auto", "cpu"):
-        # compile the CPU kernels (or find them cached) from now on, while the API server and the
-        # engine processes import and load; the engine's own build waits on the build's lock
-        from lane.model_executor.layers import cpu_kernels
-
-        cpu_kernels.start_build()
     if args.headless != (pc.node_rank > 0):
         parser.error("--headless goes with --node-rank > 0 (node 0 runs the engine and the API server)"
                      if args.headless else f"--node-rank {pc.node_rank} runs workers only: add --headless")
