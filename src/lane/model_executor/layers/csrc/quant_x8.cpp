@@ -34,6 +34,8 @@ inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
 
 inline int64_t group_block_bytes(int qtype) { return kX8Rows * ggml_block_bytes(qtype); }
 
+constexpr int64_t kRowBlock = 128;  // input rows whose 8-bit blocks stay in L2 (prefill: lane_quant_x8_linear)
+
 // generic: 8 rows' int32 dot products of one block with x's block (Q4: unsigned nibbles)
 inline void dots_scalar(const uint8_t* q, int qtype, const int8_t* xq, int32_t* out) {
   for (int r = 0; r < kX8Rows; ++r) {
@@ -536,14 +538,26 @@ extern "C" void lane_quant_x8_linear(const void* x, int x_dtype, const uint8_t* 
   // longest unit), rounded to y's dtype per thread while its columns are in cache
   float* yf = y_dtype == kF32 ? static_cast<float*>(y) : scratch<float, 8>(M * N);
   parallel_for(N / kX8Rows, 4, threads, [&](int64_t g0, int64_t g1) {
+    // rows in blocks of kRowBlock, each against all the thread's weight groups: a block's
+    // activations stay in L2 while the weights stream past (a prefill's whole M would be
+    // re-read from L3 for every group). A row's arithmetic does not depend on its block.
+    for (int64_t mb = 0; mb < M; mb += kRowBlock) {
+      const int64_t Mb = M - mb < kRowBlock ? M - mb : kRowBlock;
+      float* yb = yf + mb * N;
 #if defined(__AVX2__)
-    if (use_vnni())
-      groups_vnni<float>(w, qtype, pairs, bias, yf, M, N, K, g0, g1);
-    else
-      groups_avx2<float>(w, qtype, qx, dx, sx, isum, bias, yf, M, N, K, g0, g1);
+      if (use_vnni()) {
+        const Pairs sub{pairs.xp + 64 * mb * pairs.np, pairs.dp + 2 * mb * pairs.np, pairs.sp + 2 * mb * pairs.np,
+                        pairs.ip + 2 * mb * pairs.np, pairs.np};
+        groups_vnni<float>(w, qtype, sub, bias, yb, Mb, N, K, g0, g1);
+      } else {
+        groups_avx2<float>(w, qtype, qx + mb * K, dx + mb * nb, sx + mb * nb, isum + mb * nb, bias, yb, Mb, N, K,
+                           g0, g1);
+      }
 #else
-    groups_scalar<float>(w, qtype, qx, dx, sx, isum, bias, yf, M, N, K, g0, g1);
+      groups_scalar<float>(w, qtype, qx + mb * K, dx + mb * nb, sx + mb * nb, isum + mb * nb, bias, yb, Mb, N, K,
+                           g0, g1);
 #endif
+    }
     if (y_dtype != kF32)
       LANE_DISPATCH(y_dtype, T, {
         T* yp = static_cast<T*>(y);
