@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from collections import deque
 from typing import AsyncIterator
 
 from prometheus_client import CollectorRegistry
@@ -20,11 +20,17 @@ from lane.engine.output_processor import OutputProcessor
 from lane.engine.processor import InputProcessor
 from lane.metrics.loggers import LoggingStatLogger, PrometheusStatLogger
 from lane.metrics.stats import IterationStats
-from lane.outputs import RequestOutput
+from lane.outputs import CompletionOutput, RequestOutput
 from lane.sampling_params import ParamError, SamplingParams
 from lane.tracing import Span, Step, TraceStore, tracer
 
 logger = logging.getLogger(__name__)
+
+# how long the frontend accumulates the token counts and latencies of the engines' messages
+# before recording them in Prometheus and the log line (at once on a finished request, the
+# engine's changed counts, a /metrics scrape): a dozen metric updates a message cost the
+# event loop more than the message's own work at one token a step
+STATS_FLUSH_S = 0.1
 
 
 def default_served_name(model: str | None, model_config) -> str:
@@ -34,13 +40,60 @@ def default_served_name(model: str | None, model_config) -> str:
     return model_config.short_name.split(".")[0]
 
 
-@dataclass
+def merge_deltas(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """One streaming output with the deltas of a and then b (b the later)."""
+    earlier = {c.index: c for c in a.outputs}
+    outs = []
+    for c in b.outputs:
+        p = earlier.pop(c.index, None)
+        if p is None:
+            outs.append(c)
+            continue
+        lps = None if p.logprobs is None and c.logprobs is None else (p.logprobs or []) + (c.logprobs or [])
+        outs.append(CompletionOutput(c.index, p.text + c.text, p.token_ids + c.token_ids, c.cumulative_logprob,
+                                     lps, c.finish_reason, c.stop_reason))
+    if earlier:  # a choice b does not carry (it has none yet)
+        outs = sorted([*outs, *earlier.values()], key=lambda c: c.index)
+    return RequestOutput(b.request_id, b.prompt, b.prompt_token_ids, outs, b.finished, b.num_cached_tokens,
+                         b.metrics)
+
+
 class RequestStream:
-    """What a request handler holds: the engine it went to and its outputs as they come."""
-    request_id: str
-    engine_index: int
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    finished: bool = False
+    """What a request handler holds: the engine it went to and its outputs as they come.
+
+    A streaming request's deltas that arrive while its handler has not yet taken the one before
+    are merged into it (as vLLM's RequestOutputCollector does): a handler that falls behind under
+    load writes one SSE chunk for several steps' tokens, not one per step, and catches up. A
+    handler that keeps up (every stream at low load) sees one output per step. An error is queued
+    after the outputs before it."""
+
+    __slots__ = ("request_id", "engine_index", "finished", "_items", "_waiter")
+
+    def __init__(self, request_id: str, engine_index: int) -> None:
+        self.request_id = request_id
+        self.engine_index = engine_index
+        self.finished = False
+        self._items: deque = deque()
+        self._waiter: asyncio.Future | None = None
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        items = self._items
+        if items and isinstance(item, RequestOutput) and isinstance(items[-1], RequestOutput):
+            items[-1] = merge_deltas(items[-1], item)
+        else:
+            items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def get(self) -> RequestOutput | BaseException:
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._items.popleft()
 
 
 class AsyncLLM:
@@ -74,6 +127,7 @@ class AsyncLLM:
         self.log_stats = [LoggingStatLogger(i) for i in range(data_parallel_size)]
         self.log_stats_interval_s = log_stats_interval_s
         self.streams: dict[str, RequestStream] = {}
+        self._pending_stats: dict[int, tuple[IterationStats, float]] = {}  # engine -> (stats, since)
         self._log_task: asyncio.Task | None = None
         self.traces: TraceStore | None = None
         if args.enable_tracing:  # the seed's steps, kept for the last requests
@@ -105,6 +159,7 @@ class AsyncLLM:
     async def _log_loop(self) -> None:
         while True:
             await asyncio.sleep(self.log_stats_interval_s)
+            self.flush_stats()
             for stat_logger in self.log_stats:
                 stat_logger.log()
 
@@ -174,7 +229,7 @@ class AsyncLLM:
         away, a cancelled task) aborts it, and the engine frees its KV blocks."""
         try:
             while True:
-                item = await handle.queue.get()
+                item = await handle.get()
                 if isinstance(item, BaseException):
                     raise item
                 if item.finished:
@@ -205,8 +260,23 @@ class AsyncLLM:
             for span in spans:
                 self.traces.add(span)
 
+    def flush_stats(self) -> None:
+        """Record what the engines' messages brought since the last flush (before /metrics answers)."""
+        for i in list(self._pending_stats):
+            self._record_stats(i, None)
+
+    def _record_stats(self, engine_index: int, scheduler_stats) -> None:
+        pending = self._pending_stats.pop(engine_index, None)
+        iteration_stats = pending[0] if pending is not None else None
+        self.prometheus.record(engine_index, scheduler_stats, iteration_stats)
+        self.log_stats[engine_index].record(scheduler_stats, iteration_stats)
+
     def _on_outputs(self, outs: EngineCoreOutputs) -> None:
-        iteration_stats = IterationStats()
+        engine = outs.engine_index
+        pending = self._pending_stats.get(engine)
+        if pending is None:
+            pending = self._pending_stats[engine] = (IterationStats(), time.monotonic())
+        iteration_stats = pending[0]
         t0 = time.monotonic() if tracer.enabled else 0.0
         request_outputs, to_abort = self.output_processor.process_outputs(outs.outputs, iteration_stats)
         if tracer.enabled and request_outputs:  # step 38
@@ -216,13 +286,14 @@ class AsyncLLM:
             handle = self.streams.get(ro.request_id)
             if handle is None:
                 continue
-            handle.queue.put_nowait(ro)
+            handle.put(ro)
             if ro.finished:
                 del self.streams[ro.request_id]
         if to_abort:  # stop strings found by the detokenizer
-            self.client.abort_requests(outs.engine_index, to_abort)
-        self.prometheus.record(outs.engine_index, outs.scheduler_stats, iteration_stats)
-        self.log_stats[outs.engine_index].record(outs.scheduler_stats, iteration_stats)
+            self.client.abort_requests(engine, to_abort)
+        if (outs.scheduler_stats is not None or iteration_stats.finished
+                or time.monotonic() - pending[1] >= STATS_FLUSH_S):
+            self._record_stats(engine, outs.scheduler_stats)
 
     def _on_engine_dead(self, engine_index: int, exitcode: int | None) -> None:
         why = self.client.errors.get(engine_index)
@@ -233,4 +304,4 @@ class AsyncLLM:
             if handle.engine_index == engine_index:
                 self.output_processor.abort(rid)
                 del self.streams[rid]
-                handle.queue.put_nowait(err)
+                handle.put(err)

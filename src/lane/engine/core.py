@@ -1,6 +1,7 @@
 """EngineCore: the scheduler, the KV manager and the worker, stepped in a loop
 (seed steps 8, 9, 14, 15-19, 35-37); EngineCoreProc runs it in its own process
-behind ZeroMQ with msgspec-encoded messages (lane serve)."""
+(lane serve): requests come in over ZeroMQ, outputs go out on a Unix socket
+(messages.frame), both msgspec-encoded."""
 from __future__ import annotations
 
 import gc
@@ -8,6 +9,7 @@ import logging
 import os
 import queue
 import signal
+import socket
 import sys
 import threading
 import time
@@ -18,7 +20,7 @@ from lane.core.request import Request, RequestStatus
 from lane.core.scheduler import Scheduler
 from lane.kv_cache_interface import SLIDING_WINDOW
 from lane.engine.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCoreOutputType, EngineCoreRequest,
-                                  EngineCoreRequestType, EngineReady)
+                                  EngineCoreRequestType, EngineReady, frame)
 from lane.logger import configure_process_logging
 from lane.metrics.stats import SchedulerStats
 from lane.tracing import DECODE_STEP, Step, skipped_steps, tracer
@@ -38,10 +40,44 @@ def start_cpu_kernel_build() -> None:
         cpu_kernels.start_build()
 
 
+class StepLog:
+    """LANE_STEP_LOG=PATH: one JSON object per engine step, appended to PATH ("{pid}" in it is
+    replaced by the engine's pid, for several engines): when it started (time.monotonic()), how
+    long scheduling, the model and the update took (ms), and how the step's token budget was spent:
+    prefill tokens and the requests they belong to, decode rows, first tokens sampled, waiting and
+    running requests after scheduling; in lane serve, how long encoding and sending the step
+    before's outputs took (us). What benchmarks/scheduler_budget.py and
+    benchmarks/serving_overhead.py read; off, a step costs one attribute test."""
+
+    def __init__(self, path: str) -> None:
+        self.f = open(path.replace("{pid}", str(os.getpid())), "a")
+        self._flushed = time.monotonic()
+        self.send_s = 0.0  # set by EngineCoreProc: encoding and sending the last step's outputs
+
+    def record(self, start: float, t0: float, t1: float, t2: float, t3: float, tokens: int, prefill_tokens: int,
+               prefill_reqs: int, decode_rows: int, first_tokens: int, waiting: int, running: int) -> None:
+        """start: time.monotonic() at the step's start; t0-t3: perf_counter() at its start, after
+        scheduling, after the model, after the update."""
+        self.f.write(f'{{"t": {start:.6f}, "sched_ms": {(t1 - t0) * 1e3:.3f}, "exec_ms": {(t2 - t1) * 1e3:.3f}, '
+                     f'"update_ms": {(t3 - t2) * 1e3:.3f}, "tokens": {tokens}, '
+                     f'"prefill_tokens": {prefill_tokens}, "prefill_reqs": {prefill_reqs}, '
+                     f'"decode_rows": {decode_rows}, "first_tokens": {first_tokens}, "waiting": {waiting}, '
+                     f'"running": {running}, "prev_send_us": {self.send_s * 1e6:.1f}}}\n')
+        self.send_s = 0.0
+        if start - self._flushed > 1.0:  # a reader sees it within a second; not a syscall a step
+            self.f.flush()
+            self._flushed = start
+
+    def close(self) -> None:
+        self.f.close()
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, own_process: bool = False) -> None:
         t0 = time.perf_counter()
         self.config = config
+        path = os.environ.get("LANE_STEP_LOG")
+        self.step_log = StepLog(path) if path else None
         self.executor = Executor.create(config, own_process)
         cc = config.cache_config
         t_pool = time.monotonic()
@@ -100,6 +136,8 @@ class EngineCore:
                 + (f", ZeroMQ to {pc.world_size - pc.ranks_per_node} on other nodes" if pc.nnodes > 1 else ""))
 
     def shutdown(self) -> None:
+        if self.step_log is not None:
+            self.step_log.close()
         self.executor.shutdown()
 
     @property
@@ -127,10 +165,37 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         if tracer.enabled:
             return self._traced_step()
+        if self.step_log is not None:
+            return self._logged_step()
         so = self.scheduler.schedule()
         if so.is_empty:
             return []
         return self.scheduler.update_from_output(so, self.executor.execute_model(so))
+
+    def _logged_step(self) -> list[EngineCoreOutput]:
+        """step(), writing how its budget went and its times to the step log."""
+        start, t0 = time.monotonic(), time.perf_counter()
+        sched = self.scheduler
+        so = sched.schedule()
+        if so.is_empty:
+            return []
+        t1 = time.perf_counter()
+        spec = so.scheduled_spec_decode_tokens
+        prefill_tokens = prefill_reqs = decode_rows = 0
+        for rid, n in so.num_scheduled_tokens.items():
+            if n - len(spec.get(rid, ())) == 1 and sched.requests[rid].num_output_tokens:
+                decode_rows += 1
+            else:
+                prefill_tokens += n
+                prefill_reqs += 1
+        runner_output = self.executor.execute_model(so)
+        t2 = time.perf_counter()
+        outputs = sched.update_from_output(so, runner_output)
+        t3 = time.perf_counter()
+        self.step_log.record(start, t0, t1, t2, t3, so.total_num_scheduled_tokens, prefill_tokens, prefill_reqs,
+                             decode_rows, sum(1 for o in outputs if o.scheduled_ts), len(sched.waiting),
+                             len(sched.running))
+        return outputs
 
     def _traced_step(self) -> list[EngineCoreOutput]:
         """step() recording the engine's spans; a decoding request sees an engine-level
@@ -171,20 +236,31 @@ class EngineCore:
 
 # -- the engine-core process (lane serve) ------------------------------------------
 
+class APIServerGone(ConnectionError):
+    """The API server closed the outputs socket (it died, or stopped without stopping us)."""
+
+
 class EngineCoreProc:
-    """EngineCore in its own process, behind ZeroMQ (seed steps 9, 14): an input
-    thread decodes requests into a queue; the main thread runs the busy loop
-    (drain the queue, step, send outputs and scheduler stats)."""
+    """EngineCore in its own process (seed steps 9, 14): an input thread decodes the
+    requests that come over ZeroMQ into a queue; the main thread runs the busy loop
+    (drain the queue, step, send outputs and scheduler stats).
+
+    Outputs go straight from this loop into a Unix stream socket the API server's event
+    loop reads (length-prefixed frames, messages.frame), not through ZeroMQ: a ZeroMQ send
+    hands every message to its I/O thread, which wakes to write it, and the receiver's I/O
+    thread wakes again to hand it to the event loop. At one output message per step those
+    two extra thread wake-ups a token land on the cores the model's OpenMP threads run on."""
 
     def __init__(self, args, engine_index: int, input_address: str, output_address: str) -> None:
         import zmq
 
         self.engine_index = engine_index
         self.ctx = zmq.Context()
-        self.output_socket = self.ctx.socket(zmq.PUSH)
+        self.output_socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.output_socket.connect(output_address)
         self.encoder = msgspec.msgpack.Encoder()
         self.input_queue: queue.Queue = queue.Queue()
+        self._stats_dirty = True  # a request came or went: the frontend's counts need the engine's
         if args.enable_tracing:
             tracer.enable(args.trace_layers)
         start_cpu_kernel_build()
@@ -223,7 +299,13 @@ class EngineCoreProc:
             self.input_queue.put((kind, decoder.decode(payload.buffer), received))
 
     def _send(self, kind: EngineCoreOutputType, obj) -> None:
-        self.output_socket.send_multipart((kind.value, self.encoder.encode(obj)), copy=False)
+        self._send_payload(kind, self.encoder.encode(obj))
+
+    def _send_payload(self, kind: EngineCoreOutputType, payload: bytes) -> None:
+        try:  # blocks only while the API server lets its socket buffer fill (as ZeroMQ's HWM did)
+            self.output_socket.sendall(frame(kind, payload))
+        except (BrokenPipeError, ConnectionResetError):
+            raise APIServerGone("the API server closed the outputs socket") from None
 
     def report_error(self, e: BaseException) -> None:
         """Tell the frontend the error this engine stops on (its requests' 500 bodies carry it)."""
@@ -233,6 +315,7 @@ class EngineCoreProc:
             pass
 
     def _handle(self, kind: EngineCoreRequestType, payload, received: float) -> None:
+        self._stats_dirty = True
         if kind is EngineCoreRequestType.ADD:
             self.core.add_request(payload)
             if tracer.enabled:  # step 14: from the socket into the waiting queue
@@ -244,26 +327,43 @@ class EngineCoreProc:
 
     def run_busy_loop(self) -> None:
         while True:
-            if not self.core.has_unfinished_requests():  # idle: block on the queue
-                self._handle(*self.input_queue.get())
-            while not self.input_queue.empty():
-                self._handle(*self.input_queue.get_nowait())
-            self._num_steps += 1
-            if self._num_steps == self._fail_at_step:
-                raise ValueError(f"fault injected at step {self._num_steps} (LANE_FAULT_INJECT)")
-            outputs = self.core.step()
-            stats = self.core.scheduler.make_stats()
-            if outputs or stats != self._last_stats:
-                t_send = time.monotonic()
-                payload = self.encoder.encode(EngineCoreOutputs(self.engine_index, outputs, stats))
-                t_encoded = time.monotonic()
-                self.output_socket.send_multipart((EngineCoreOutputType.OUTPUTS.value, payload), copy=False)
-                self._last_stats = stats
-                if tracer.enabled and outputs:  # step 37: until the message is handed to ZeroMQ
-                    tracer.record(Step.ENGINE_OUTPUT, t_send, t_encoded, [o.request_id for o in outputs],
-                                  outputs=len(outputs), bytes=len(payload))
-            if tracer.enabled and tracer.spans:
-                self._send(EngineCoreOutputType.SPANS, tracer.drain())
+            self.run_once()
+
+    def run_once(self) -> None:
+        """One turn of the loop: take the requests that came (waiting for one when idle), step,
+        publish the outputs."""
+        if not self.core.has_unfinished_requests():  # idle: block on the queue
+            self._handle(*self.input_queue.get())
+        while not self.input_queue.empty():
+            self._handle(*self.input_queue.get_nowait())
+        self._num_steps += 1
+        if self._num_steps == self._fail_at_step:
+            raise ValueError(f"fault injected at step {self._num_steps} (LANE_FAULT_INJECT)")
+        self._publish(self.core.step())
+        if tracer.enabled and tracer.spans:
+            self._send(EngineCoreOutputType.SPANS, tracer.drain())
+
+    def _publish(self, outputs: list[EngineCoreOutput]) -> None:
+        """A step's outputs to the frontend, with the scheduler's counts when they changed, or when
+        a request came or went since the last ones sent (the frontend's balancer bumps its own
+        counts at each send and waits for the engine's to overwrite them). Unchanged counts are
+        not sent: at one message a token, they cost the API server a dozen Prometheus updates
+        a token for nothing."""
+        stats = self.core.scheduler.make_stats()
+        changed = self._stats_dirty or stats != self._last_stats
+        if not (outputs or changed):
+            return
+        t_send = time.monotonic()
+        payload = self.encoder.encode(EngineCoreOutputs(self.engine_index, outputs, stats if changed else None))
+        t_encoded = time.monotonic()
+        self._send_payload(EngineCoreOutputType.OUTPUTS, payload)
+        if changed:
+            self._last_stats, self._stats_dirty = stats, False
+        if self.core.step_log is not None:
+            self.core.step_log.send_s = time.monotonic() - t_send
+        if tracer.enabled and outputs:  # step 37: until the message is handed to the socket
+            tracer.record(Step.ENGINE_OUTPUT, t_send, t_encoded, [o.request_id for o in outputs],
+                          outputs=len(outputs), bytes=len(payload))
 
 
 def watch_parent(parent_pid: int, engine_index: int, interval_s: float = 0.5) -> None:
@@ -284,7 +384,8 @@ def run_engine_core(args, engine_index: int, input_address: str, output_address:
                     cpu_ids: list[int] | None = None) -> None:
     """Entry point of an engine-core process (spawned by the frontend's core client)."""
     configure_process_logging(f"EngineCore_DP{engine_index}")
-    watch_parent(os.getppid(), engine_index)  # from the start: loading can take long too
+    parent = os.getppid()
+    watch_parent(parent, engine_index)  # from the start: loading can take long too
     # SIGTERM (from the frontend's shutdown or a user) ends the loop through SystemExit
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the frontend, which stops us
@@ -309,6 +410,11 @@ def run_engine_core(args, engine_index: int, input_address: str, output_address:
         proc.run_busy_loop()
     except SystemExit:
         pass
+    except APIServerGone:  # as watch_parent: nobody reads our outputs any more
+        logger.warning("API server (pid %d) is gone; engine core %d exits (its outputs socket closed)",
+                       parent, engine_index)
+        proc.core.shutdown()
+        sys.exit(1)
     except BaseException as e:  # the frontend fails its requests with the error; /health 503
         logger.exception("Engine core %d stopped on a runtime error while serving", engine_index)
         proc.report_error(e)

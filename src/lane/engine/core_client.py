@@ -2,29 +2,33 @@
 DPLBAsyncMPClient; seed steps 9, 13, 14, 37, 57).
 
 One process per data-parallel replica, spawned here. Requests go out on one
-ZeroMQ PUSH socket per engine; every engine pushes its outputs (with scheduler
-stats) into one PULL socket. Messages are two frames: a type byte and a msgspec
-msgpack payload. A watchdog notices an engine process that died.
+ZeroMQ PUSH socket per engine (two frames: a type byte and a msgspec msgpack
+payload). Every engine connects to one Unix stream socket and writes its outputs
+(with scheduler stats) there as length-prefixed frames (messages.frame), which the
+event loop reads in a reader callback: no ZeroMQ I/O thread between the engine's
+loop and this one, no future per message. A watchdog notices an engine process
+that died.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import multiprocessing
+import os
 import shutil
+import socket
 import time
 from typing import Callable
 
 import msgspec
 import zmq
-import zmq.asyncio
 
 from lane.config import EngineArgs
 from lane.engine.messages import (EngineCoreOutputs, EngineCoreOutputType, EngineCoreRequest,
-                                  EngineCoreRequestType, EngineReady)
+                                  EngineCoreRequestType, EngineReady, FrameReader)
 from lane.engine.dp_balancer import DPLoadBalancer
 from lane.ipc_paths import make_ipc_dir
-from lane.platform import available_cpus, disjoint_cpu_sets
+from lane.platform import available_cpus, disjoint_cpu_sets, parse_cpu_list
 from lane.tracing import Span
 
 logger = logging.getLogger(__name__)
@@ -42,6 +46,46 @@ def split_cpus(num_engines: int) -> list[list[int] | None]:
     """Disjoint CPU sets per replica, so data-parallel engines do not fight over cores."""
     sets = disjoint_cpu_sets(num_engines) if num_engines > 1 else None
     return sets or [None] * num_engines
+
+
+def frontend_cpus(engine_cpu_sets: list[list[int] | None], allowed: list[int],
+                  tensor_parallel_size: int = 1) -> list[int] | None:
+    """The CPUs the API server's threads are kept on (LANE_API_SERVER_BIND=auto, the default):
+    every CPU this process may use but those the engines' main threads are pinned to, None to
+    leave them where they are.
+
+    A one-rank engine pins OpenMP thread i to its i-th CPU; thread 0 is the engine loop itself,
+    which runs the step's serial Python (scheduling, inputs, sampling, outputs) while the others
+    spin-wait. The API server wakes at every token: left to the OS, it is often put on the CPU of
+    the thread that woke it, the engine loop's, and stalls the step; on another engine thread's
+    CPU it only takes a spinning thread's turn, outside the kernels. None when no CPU is left
+    (one per engine), with LANE_API_SERVER_BIND=nobind, when the engines' threads are not bound
+    (LANE_CPU_OMP_THREADS_BIND=nobind), or with tensor parallelism (the ranks are other processes)."""
+    if os.environ.get("LANE_API_SERVER_BIND", "auto").strip() == "nobind" or tensor_parallel_size != 1:
+        return None
+    spec = os.environ.get("LANE_CPU_OMP_THREADS_BIND", "auto").strip()
+    if spec == "nobind":
+        return None
+    mains = set()
+    for cpus in engine_cpu_sets:
+        if spec != "auto":
+            try:
+                mains.add(parse_cpu_list(spec)[0])
+            except (ValueError, IndexError):  # the engine refuses it at start, naming it
+                return None
+        else:
+            mains.add(sorted(cpus or allowed)[0])
+    rest = [c for c in allowed if c not in mains]
+    return rest or None
+
+
+def bind_this_process(cpus: list[int]) -> None:
+    """Every thread of this process (and those it starts later) on ``cpus``."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except OSError:  # a thread that just ended
+            pass
 
 
 def _engine_core_main(*args) -> None:
@@ -72,9 +116,12 @@ class AsyncMPClient:
         self.errors: dict[int, str] = {}  # engine index -> the runtime error it stopped on
         self._ipc_dir = make_ipc_dir("ipc")  # removes what a killed server left
         self._sync_ctx = zmq.Context()
-        self._async_ctx = zmq.asyncio.Context()
         self._encoder = msgspec.msgpack.Encoder()
         self._tasks: list[asyncio.Task] = []
+        self._conns: dict[int, tuple[socket.socket, FrameReader]] = {}  # engine index -> its outputs
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._outputs_decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
+        self._spans_decoder = msgspec.msgpack.Decoder(list[Span])
         self._closed = False
         self._pending_aborts: dict[int, list[str]] = {}  # engine index -> ids not yet sent
 
@@ -82,9 +129,11 @@ class AsyncMPClient:
     def launch(self) -> None:
         """Bind the sockets and spawn the engine processes; start() waits for them. Called
         first thing, so the engines import and load while the frontend sets itself up."""
-        out_addr = f"ipc://{self._ipc_dir}/outputs"
-        self.output_socket = self._async_ctx.socket(zmq.PULL)
+        out_addr = os.path.join(self._ipc_dir, "outputs.sock")
+        self.output_socket = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.output_socket.bind(out_addr)
+        self.output_socket.listen(self.num_engines + 4)
+        self.output_socket.setblocking(False)
         self.input_sockets = []
         cpu_sets = split_cpus(self.num_engines)
         threads = self.args.threads
@@ -102,13 +151,22 @@ class AsyncMPClient:
                                args=(args, i, in_addr, out_addr, cpu_sets[i]), daemon=True)
             proc.start()
             self.procs.append(proc)
+        # after the spawns: the engines start with every CPU this process has
+        allowed = sorted(os.sched_getaffinity(0))
+        bound = frontend_cpus(cpu_sets, allowed, self.args.tensor_parallel_size)
+        if bound is not None and bound != allowed and os.path.isdir("/proc/self/task"):
+            bind_this_process(bound)
+            logger.info("API server threads on CPUs %s, off the engine loop's (LANE_API_SERVER_BIND=nobind "
+                        "leaves them to the OS)", bound)
 
     async def start(self, timeout_s: float = 600.0) -> None:
         if not self.procs:
             self.launch()
         await self._wait_ready(timeout_s)
-        self._tasks = [asyncio.create_task(self._output_loop(), name="engine-outputs"),
-                       asyncio.create_task(self._watchdog(), name="engine-watchdog")]
+        self._loop = asyncio.get_running_loop()
+        for i, (conn, _) in self._conns.items():
+            self._loop.add_reader(conn.fileno(), self._on_readable, i)
+        self._tasks = [asyncio.create_task(self._watchdog(), name="engine-watchdog")]
 
     def _args_for(self, threads: int | None) -> EngineArgs:
         from dataclasses import replace
@@ -117,9 +175,12 @@ class AsyncMPClient:
         return replace(self.args, threads=threads, show_progress=self.args.show_progress and self.num_engines == 1)
 
     async def _wait_ready(self, timeout_s: float) -> None:
+        """Accept each engine's outputs connection and read its READY message (start-up takes
+        seconds: polled every 20 ms)."""
         decoder = msgspec.msgpack.Decoder(EngineReady)
         pending = set(range(self.num_engines))
         ready: dict[int, EngineReady] = {}
+        unknown: list[tuple[socket.socket, FrameReader]] = []  # connected, READY not read yet
         deadline = time.monotonic() + timeout_s
         while pending:
             for i in pending:
@@ -131,42 +192,68 @@ class AsyncMPClient:
             if time.monotonic() > deadline:
                 self.shutdown()
                 raise TimeoutError(f"engine cores {sorted(pending)} not ready after {timeout_s:.0f} s")
-            if await self.output_socket.poll(500) == 0:
-                continue
-            kind, payload = await self.output_socket.recv_multipart()
-            if kind != EngineCoreOutputType.READY.value:
-                continue
-            msg = decoder.decode(payload)
-            ready[msg.engine_index] = msg
-            pending.discard(msg.engine_index)
+            while True:
+                try:
+                    conn, _ = self.output_socket.accept()
+                except (BlockingIOError, InterruptedError):
+                    break
+                conn.setblocking(False)
+                unknown.append((conn, FrameReader()))
+            for conn, reader in list(unknown):
+                try:
+                    data = conn.recv(1 << 20)
+                except (BlockingIOError, InterruptedError):
+                    continue
+                if not data:  # it closed before READY: its exit code says why, next round
+                    unknown.remove((conn, reader))
+                    conn.close()
+                    continue
+                for kind, payload in reader.feed(data):
+                    if kind == EngineCoreOutputType.READY.value:
+                        msg = decoder.decode(payload)
+                        ready[msg.engine_index] = msg
+                        pending.discard(msg.engine_index)
+                        self._conns[msg.engine_index] = (conn, reader)
+                        unknown.remove((conn, reader))
+            if pending:
+                await asyncio.sleep(0.02)
         self.ready = [ready[i] for i in range(self.num_engines)]
 
     # -- running ---------------------------------------------------------------
-    async def _output_loop(self) -> None:
-        decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
-        span_decoder = msgspec.msgpack.Decoder(list[Span])
-        while True:
-            kind, payload = await self.output_socket.recv_multipart(copy=False)
-            if kind.bytes == EngineCoreOutputType.SPANS.value:
-                if self.on_spans is not None:
-                    self.on_spans(span_decoder.decode(payload.buffer))
-                continue
-            if kind.bytes == EngineCoreOutputType.ERROR.value:  # sent just before it exits
-                i, text = msgspec.msgpack.decode(payload.buffer)
-                self.errors[i] = text
-                logger.error("Engine core %d stopped on a runtime error: %s", i, text)
-                self._mark_dead(i, None)
-                continue
-            if kind.bytes != EngineCoreOutputType.OUTPUTS.value:
-                continue
-            outs = decoder.decode(payload.buffer)
+    def _on_readable(self, engine_index: int) -> None:
+        """The event loop's reader callback for one engine's outputs socket: what arrived,
+        handled now (on_outputs is synchronous; a message costs one loop iteration)."""
+        conn, reader = self._conns[engine_index]
+        try:
+            data = conn.recv(1 << 20)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:  # the engine closed it (exited): the watchdog reports its exit code
+            self._loop.remove_reader(conn.fileno())
+            return
+        for kind, payload in reader.feed(data):
+            try:
+                self._dispatch(kind, payload)
+            except Exception:
+                logger.exception("Error while processing engine outputs")
+
+    def _dispatch(self, kind: bytes, payload: memoryview) -> None:
+        if kind == EngineCoreOutputType.OUTPUTS.value:
+            outs = self._outputs_decoder.decode(payload)
             stats = outs.scheduler_stats
             if stats is not None:
                 self.balancer.update(outs.engine_index, stats.num_waiting_reqs, stats.num_running_reqs)
-            try:
-                self.on_outputs(outs)
-            except Exception:
-                logger.exception("Error while processing engine outputs")
+            self.on_outputs(outs)
+        elif kind == EngineCoreOutputType.SPANS.value:
+            if self.on_spans is not None:
+                self.on_spans(self._spans_decoder.decode(payload))
+        elif kind == EngineCoreOutputType.ERROR.value:  # sent just before it exits
+            i, text = msgspec.msgpack.decode(payload)
+            self.errors[i] = text
+            logger.error("Engine core %d stopped on a runtime error: %s", i, text)
+            self._mark_dead(i, None)
 
     async def _watchdog(self) -> None:
         while True:
@@ -240,8 +327,14 @@ class AsyncMPClient:
                 p.join(1.0)
         for s in getattr(self, "input_sockets", []):
             s.close(0)
+        for conn, _ in self._conns.values():
+            if self._loop is not None and not self._loop.is_closed():
+                try:
+                    self._loop.remove_reader(conn.fileno())
+                except (ValueError, RuntimeError):  # already closed / another thread's loop
+                    pass
+            conn.close()
         if hasattr(self, "output_socket"):
-            self.output_socket.close(0)
+            self.output_socket.close()
         self._sync_ctx.term()
-        self._async_ctx.term()
         shutil.rmtree(self._ipc_dir, ignore_errors=True)

@@ -4,6 +4,7 @@ code, so the API-server process can use it without loading the model stack."""
 from __future__ import annotations
 
 import enum
+import struct
 from dataclasses import dataclass
 
 from lane.metrics.stats import SchedulerStats
@@ -64,3 +65,38 @@ class EngineReady:
     threads: int
     spans: list[Span] | None = None  # start-up steps 1-8, when tracing
     skipped: dict[int, str] | None = None  # steps this model never performs, and why
+
+
+# -- engine -> frontend framing (a Unix stream socket) ----------------------------------------
+# Each message: its EngineCoreOutputType byte, the payload's length (4 bytes, big-endian), the
+# msgspec payload.
+FRAME_HEADER = struct.Struct(">cI")
+
+
+def frame(kind: EngineCoreOutputType, payload: bytes) -> bytes:
+    return FRAME_HEADER.pack(kind.value, len(payload)) + payload
+
+
+class FrameReader:
+    """Splits what arrives on a stream socket into (kind byte, payload) messages."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[tuple[bytes, memoryview]]:
+        """The whole messages now received; a partial one waits for the rest."""
+        hs = FRAME_HEADER.size
+        if not self._buf and len(data) >= hs:  # the common case: whole messages in one read
+            kind, n = FRAME_HEADER.unpack_from(data)
+            if len(data) == hs + n:
+                return [(kind, memoryview(data)[hs:])]
+        self._buf += data
+        out, pos, buf = [], 0, self._buf
+        while len(buf) - pos >= hs:
+            kind, n = FRAME_HEADER.unpack_from(buf, pos)
+            if len(buf) - pos - hs < n:
+                break
+            out.append((kind, memoryview(bytes(buf[pos + hs:pos + hs + n]))))
+            pos += hs + n
+        del buf[:pos]
+        return out

@@ -110,9 +110,10 @@ class OutputProcessor:
             touched[pid] = state
         results = []
         for pid, state in touched.items():
-            if state.stream or state.finished:
-                results.append(self._make_output(state))
-            if state.finished:
+            finished = state.finished
+            if state.stream or finished:
+                results.append(self._make_output(state, finished))
+            if finished:
                 self._remove(pid)
         return results, to_abort
 
@@ -142,10 +143,17 @@ class OutputProcessor:
                 entry[t] = Logprob(v, r, self.token_str(t))
         return entry
 
-    def _make_output(self, state: RequestState) -> RequestOutput:
+    def _make_output(self, state: RequestState, finished: bool) -> RequestOutput:
         """Deltas since the last output for a streaming request, else the whole text."""
+        children = state.children
+        if len(children) == 1:  # n = 1: no sorting, no search for the first
+            (first,) = children.values()
+            ordered = [first]
+        else:
+            ordered = sorted(children.values(), key=lambda c: c.index)
+            first = ordered[0]
         outs = []
-        for c in sorted(state.children.values(), key=lambda c: c.index):
+        for c in ordered:
             finished = c.finish_reason is not None
             if state.stream:
                 text = c.detok.get_delta(finished)
@@ -156,11 +164,10 @@ class OutputProcessor:
                 text, ids, lps = c.detok.output_text, list(c.token_ids), c.logprobs
             outs.append(CompletionOutput(c.index, text, ids, c.cumulative_logprob, lps,
                                          c.finish_reason, c.stop_reason))
-        first = min(state.children.values(), key=lambda c: c.index)
         done = first.stats.finished if first.stats is not None else None
-        metrics = done.timing_ms() if state.finished and done is not None else {}
+        metrics = done.timing_ms() if finished and done is not None else {}
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outs,
-                             state.finished, state.num_cached_tokens, metrics)
+                             finished, state.num_cached_tokens, metrics)
 
     def abort(self, request_id: str, iteration_stats: IterationStats | None = None) -> list[str]:
         """Forget a request; returns its child ids (to abort in the engine). With

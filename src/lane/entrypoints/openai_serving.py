@@ -70,6 +70,27 @@ def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
+_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
+class ChunkEncoder:
+    """A stream's SSE chunks, sse({**base, "choices": choices, **extra}) byte for byte, with the
+    envelope (id, object, created, model) encoded once per stream, not once per token."""
+
+    def __init__(self, base: dict) -> None:
+        head = {k: v for k, v in base.items() if k != "choices"}
+        self.exact = list(base)[-1:] == ["choices"]  # else the keys' order differs: sse() it is
+        self.base = base
+        self.prefix = f"data: {_dumps(head)[:-1]},\"choices\":" if head else 'data: {"choices":'
+
+    def __call__(self, choices: list, extra: dict | None = None) -> str:
+        if not self.exact:
+            return sse({**self.base, "choices": choices, **(extra or {})})
+        if extra:
+            return f"{self.prefix}{_dumps(choices)},{_dumps(extra)[1:]}\n\n"
+        return f"{self.prefix}{_dumps(choices)}}}\n\n"
+
+
 async def merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Interleave several requests' outputs (a completion with a list of prompts)."""
     if len(streams) == 1:
@@ -373,6 +394,7 @@ class OpenAIServing:
         finals: list[RequestOutput | None] = [None] * len(handles)
         tokens = [[0] * n for _ in handles]
         base = CompletionResponse(id=rid, model=model, choices=[]).model_dump(exclude={"usage"})
+        encode = ChunkEncoder(base)
         sent = [0] * len(handles)  # chunks sent per prompt: its first is step 39, later ones 50
         try:
             async for i, out in merge([self.engine.outputs(h) for h in handles]):
@@ -395,8 +417,7 @@ class OpenAIServing:
                                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
                 if choices:
                     t0 = time.monotonic()
-                    chunk = sse({**base, "choices": choices,
-                                 **self._continuous_usage(request, num_prompt_tokens, sum(map(sum, tokens)))})
+                    chunk = encode(choices, self._continuous_usage(request, num_prompt_tokens, sum(map(sum, tokens))))
                     trace_chunk(handles[i].request_id, t0, sent[i], len(choices))
                     sent[i] += 1
                     yield chunk
@@ -501,6 +522,7 @@ class OpenAIServing:
                            request: ChatCompletionRequest, num_lp: int,
                            parsers: list[ChatOutputParser] | None, prompt_ids: list[int]) -> AsyncIterator[str]:
         base = ChatCompletionChunk(id=rid, model=model, choices=[]).model_dump(exclude={"usage"})
+        encode = ChunkEncoder(base)
         finished: set[int] = set()
         completion_tokens = 0
         sent = 0
@@ -535,8 +557,7 @@ class OpenAIServing:
                         "finish_reason": finish, "stop_reason": c.stop_reason})
                 if choices:
                     t0 = time.monotonic()
-                    chunk = sse({**base, "choices": choices,
-                                 **self._continuous_usage(request, len(prompt_ids), completion_tokens)})
+                    chunk = encode(choices, self._continuous_usage(request, len(prompt_ids), completion_tokens))
                     trace_chunk(handle.request_id, t0, sent, len(choices))
                     sent += 1
                     yield chunk
