@@ -133,17 +133,26 @@ class CacheConfig:
         return min(platform.available_memory_bytes() // 4, 4 << 30)
 
 
+SCHEDULING_POLICIES = ("decode-first", "prefill-first")
+
+
 @dataclass
 class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     max_model_len: int = 2048
+    # who gets the step's token budget first: running requests' decodes (vLLM's order), or
+    # prompts (core/scheduler.py); LANE_SCHEDULER_POLICY sets it for lane serve and LLM
+    policy: str = "decode-first"
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
             raise ValueError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling policy {self.policy!r} (LANE_SCHEDULER_POLICY): expected one of "
+                             f"{', '.join(SCHEDULING_POLICIES)}")
 
 
 EXECUTOR_BACKENDS = ("mp", "ray")
@@ -353,5 +362,6 @@ class EngineArgs:
             model_config,
             CacheConfig(model_config.resolve_block_size(block_size), self.enable_prefix_caching,
                         self.kv_cache_memory_bytes),
-            SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs),
+            SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs,
+                            policy=os.environ.get("LANE_SCHEDULER_POLICY", "").strip() or "decode-first"),
             self.create_parallel_config(), SpeculativeConfig.parse(self.speculative_config), threads=self.threads, show_progress=self.show_progress, engine_args=self)

@@ -2,10 +2,17 @@
 
 There are no prefill and decode phases: each step gives every request enough
 tokens for its computed count to catch up with its token count (prompt +
-output), within a token budget. Running requests go first, then waiting ones.
-A long prompt simply gets a budget-sized slice per step (chunked prefill), and
-its slices share a step with other requests' decodes. When blocks run out the
-newest running request is preempted and later recomputed.
+output), within a token budget. A long prompt simply gets a budget-sized slice
+per step (chunked prefill), and its slices share a step with other requests'
+decodes. When blocks run out the newest running request is preempted and later
+recomputed.
+
+Who goes first (``SchedulerConfig.policy``): ``decode-first`` (vLLM's order)
+gives running requests their tokens, then waiting ones what is left;
+``prefill-first`` gives the budget to prompts first (the ones already being
+prefilled, then waiting ones) and running requests' decodes the rest, so a
+burst of arrivals gets its first tokens in as few steps as the budget allows
+while the decodes wait those steps (see benchmarks/scheduler_budget.py).
 
 What it decides leaves as a ``SchedulerOutput`` (data); the runner's result comes
 back as a ``ModelRunnerOutput``. With ``log_events`` it records each request's steps as
@@ -101,9 +108,17 @@ class Scheduler:
         log = self.events is not None
         preempted_now = False
 
+        # prefill-first: decodes wait while a waiting request can be admitted this step
+        defer = (self.config.policy == "prefill-first" and bool(self.waiting)
+                 and len(self.running) < self.config.max_num_seqs)
+        deferred: list[Request] = []
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if defer and req.num_output_tokens:  # its prompt is done: a decode, after the prompts
+                deferred.append(req)
+                i += 1
+                continue
             pending = req.num_tokens - req.num_computed_tokens
             n = min(pending + len(req.spec_token_ids), budget)  # step 17: chunk (drafts count too)
             if n <= 0:
@@ -178,12 +193,54 @@ class Scheduler:
             out.num_scheduled_tokens[req.request_id] = n
             budget -= n
         self.waiting.extendleft(reversed(compiling))
+        if deferred:
+            self._schedule_deferred(out, deferred, budget)
+            if not out.num_scheduled_tokens and not preempted_now:
+                # nothing could go (no blocks for a prompt, nor for a decode without preempting):
+                # this step is decode-first, whose running loop preempts to make room
+                return self._decode_first_fallback()
         out.total_num_scheduled_tokens = sum(out.num_scheduled_tokens.values())
         if self.structured_output is not None:
             self._grammar_bitmask(out)
         if not out.is_empty:  # else they wait for a step the workers run
             out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, []
         return out
+
+    def _schedule_deferred(self, out: SchedulerOutput, deferred: list[Request], budget: int) -> None:
+        """prefill-first: the decodes put off for the prompts, with the budget left, in running
+        order; one that finds no blocks stops them (no preemption here: the requests scheduled
+        above must keep theirs)."""
+        for req in deferred:
+            if budget <= 0:
+                break
+            if req.status != RequestStatus.RUNNING:  # preempted above to make room
+                continue
+            pending = req.num_tokens - req.num_computed_tokens
+            n = min(pending + len(req.spec_token_ids), budget)
+            if n <= 0:
+                continue
+            drafts = req.spec_token_ids[:max(n - pending, 0)]
+            if drafts and req.sampling_params.structured_outputs is not None:
+                drafts, n = [], pending
+            t_alloc = time.monotonic() if self.events is not None else 0.0
+            new_blocks = self.kv.allocate_slots(req, n, None, self._lookahead(req.num_computed_tokens + n))
+            if new_blocks is None:
+                break
+            self._add_cached(out.scheduled_cached_reqs, req, new_blocks, resumed=False)
+            out.num_scheduled_tokens[req.request_id] = n
+            if drafts:
+                out.scheduled_spec_decode_tokens[req.request_id] = drafts
+            if self.events is not None:
+                self._log_running(req, n - len(drafts), t_alloc)
+            budget -= n
+
+    def _decode_first_fallback(self) -> SchedulerOutput:
+        policy = self.config.policy
+        self.config.policy = "decode-first"
+        try:
+            return self.schedule()
+        finally:
+            self.config.policy = policy
 
     def _lookahead(self, num_tokens: int) -> int:
         """MTP's lookahead slots past a step's ``num_tokens``: none from max_model_len on, where
