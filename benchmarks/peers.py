@@ -199,6 +199,29 @@ def vllm_serve_command(python: str, model_dir: str, port: int, served_name: str,
     return argv, env
 
 
+
+def llama_server_binary(cache_dir: str | None = None) -> str | None:
+    """The llama-server to run, building nothing: $LLAMA_SERVER, else one on PATH, else the build
+    llama_cpp_bin_dir() cached; None when there is none."""
+    built = built_llama_cpp_bin_dir(cache_dir)
+    for exe in (os.environ.get("LLAMA_SERVER"), shutil.which("llama-server"),
+                os.path.join(built, "llama-server") if built else None):
+        if exe and os.access(exe, os.X_OK):
+            return exe
+    return None
+
+
+def llama_server_command(binary: str, gguf: str, port: int, served_name: str, parallel: int,
+                         threads: int, ctx_per_slot: int = 512) -> list[str]:
+    """argv that starts llama-server on 127.0.0.1:`port` with `parallel` slots (-np) of
+    `ctx_per_slot` tokens each (the context -c is split evenly among the slots), `threads` for
+    both generation and batches (-t, -tb), and no prompt cache (--no-cache-prompt: no slot reuses
+    a previous prompt's KV, as the other servers run without prefix caching). Ready once GET
+    /health answers 200."""
+    return [binary, "-m", gguf, "--host", "127.0.0.1", "--port", str(port), "--alias", served_name,
+            "-np", str(parallel), "-c", str(parallel * ctx_per_slot), "-t", str(threads), "-tb", str(threads),
+            "--no-cache-prompt"]
+
 def _cpu_flags_hash() -> str:
     """Short hash of this CPU's ISA flags and the CMake arguments: a -DGGML_NATIVE=ON build
     may use instructions another CPU lacks, so a cached build is keyed by the flags it was
