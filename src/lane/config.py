@@ -156,6 +156,48 @@ class SchedulerConfig:
 
 
 EXECUTOR_BACKENDS = ("mp", "ray")
+_EPLB_INTS = {"window_size": 1, "step_interval": 1, "num_redundant_experts": 0, "log_balancedness_interval": 1}
+_EPLB_BOOLS = ("log_balancedness", "use_async")
+
+
+@dataclass
+class EplbConfig:
+    """``--eplb-config`` (vLLM's fields): expert heat over the last ``window_size`` steps, a
+    rearrangement every ``step_interval`` steps, ``num_redundant_experts`` extra slots per MoE
+    layer, the balancedness logged every ``log_balancedness_interval`` steps, and ``use_async``:
+    one layer's weights moved per step instead of all at once (no step stalls for the whole move)."""
+    window_size: int = 1000
+    step_interval: int = 3000
+    num_redundant_experts: int = 0
+    log_balancedness: bool = False
+    log_balancedness_interval: int = 1
+    use_async: bool = False
+
+    def __post_init__(self) -> None:
+        for key, least in _EPLB_INTS.items():
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                raise ValueError(f"--eplb-config {key} must be an integer >= {least}, got {v!r}")
+        for key in _EPLB_BOOLS:
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(f"--eplb-config {key} must be true or false, got {getattr(self, key)!r}")
+
+    @classmethod
+    def parse(cls, value: "str | dict | EplbConfig | None") -> "EplbConfig":
+        """A JSON object (the flag's text), a dict (``LLM(eplb_config=...)``) or None (defaults)."""
+        if value is None or isinstance(value, EplbConfig):
+            return value or cls()
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ValueError(f"--eplb-config is not JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError('--eplb-config must be an object, e.g. {"window_size": 1000, "step_interval": 3000}')
+        known = (*_EPLB_INTS, *_EPLB_BOOLS)
+        if unknown := sorted(set(value) - set(known)):
+            raise ValueError(f"--eplb-config: unknown key(s) {', '.join(unknown)} (known: {', '.join(known)})")
+        return cls(**value)
 
 
 @dataclass
@@ -173,8 +215,15 @@ class ParallelConfig:
     master_port: int = 29500
     worker_timeout: float = 60.0  # seconds a step may take before the engine gives up on its workers
     rpc_secret_file: str | None = None  # signs the engine's messages to other machines (rpc_auth)
+    enable_eplb: bool = False  # expert-parallel load balancing (eplb/)
+    eplb_config: EplbConfig = field(default_factory=EplbConfig)
 
     def __post_init__(self) -> None:
+        if self.enable_eplb and not self.enable_expert_parallel:
+            raise ValueError("--enable-eplb balances whole experts over the expert-parallel ranks: it requires "
+                             "--enable-expert-parallel")
+        if not self.enable_eplb and self.eplb_config.num_redundant_experts:
+            raise ValueError("--eplb-config num_redundant_experts needs --enable-eplb")
         for name in ("tensor_parallel_size", "data_parallel_size", "nnodes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -212,11 +261,19 @@ class ParallelConfig:
             return "uni" if self.world_size == 1 else "mp"
         return self.distributed_executor_backend
 
+    @property
+    def ep_size(self) -> int:
+        """Ranks the experts are spread over: the replica's ranks with expert parallelism, else 1."""
+        return self.world_size if self.enable_expert_parallel else 1
+
     def check_model(self, hf_config) -> None:
         """Refuse a layout this model cannot be split into, with the numbers."""
-        from lane.distributed.layout import check_layout
+        from lane.distributed.layout import check_eplb, check_layout
 
-        check_layout(hf_config, self.tensor_parallel_size, self.enable_expert_parallel)
+        redundant = self.eplb_config.num_redundant_experts if self.enable_eplb else 0
+        check_layout(hf_config, self.tensor_parallel_size, self.enable_expert_parallel, redundant)
+        if self.enable_eplb:
+            check_eplb(hf_config, self.ep_size, redundant)
 
 
 SPECULATIVE_METHODS = ("ngram", "mtp")
@@ -341,13 +398,16 @@ class EngineArgs:
     master_port: int = 29500
     worker_timeout: float = 60.0
     rpc_secret_file: str | None = None
+    enable_eplb: bool = False
+    eplb_config: dict | str | None = None  # JSON text or a dict (EplbConfig's fields)
     speculative_config: dict | str | None = None  # JSON text or a dict (SpeculativeConfig's fields)
     device: str | None = None  # None / "auto": the CPU (the only device lane runs on yet)
 
     def create_parallel_config(self) -> ParallelConfig:
         return ParallelConfig(self.tensor_parallel_size, self.data_parallel_size, self.enable_expert_parallel,
                               self.distributed_executor_backend, self.nnodes, self.node_rank, self.master_addr,
-                              self.master_port, self.worker_timeout, self.rpc_secret_file)
+                              self.master_port, self.worker_timeout, self.rpc_secret_file, self.enable_eplb,
+                              EplbConfig.parse(self.eplb_config))
 
     def create_model_config(self) -> ModelConfig:
         return ModelConfig(self.model, dtype=self.dtype, max_model_len=self.max_model_len, seed=self.seed,

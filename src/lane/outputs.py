@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lane.metrics.stats import EplbStats
 
 
 @dataclass
@@ -51,6 +55,7 @@ class ModelRunnerOutput:
     logprobs: list[list[tuple] | None] | None = None
     # speculative decoding: each sampled request's drafts for its next step (same order)
     spec_token_ids: list[list[int]] | None = None
+    eplb_stats: "EplbStats | None" = None  # --enable-eplb: the workers' EPLB figures, when they changed
 
     @property
     def req_id_to_index(self) -> dict[str, int]:

@@ -11,8 +11,23 @@ def _experts(cfg) -> int:
     return int(getattr(cfg, "n_routed_experts", None) or 0)
 
 
-def check_layout(cfg, tp: int, expert_parallel: bool) -> None:
-    """Raise ValueError naming the first size that ``tp`` does not divide."""
+def check_eplb(cfg, ep: int, redundant: int) -> None:
+    """--enable-eplb: a MoE model whose physical experts (logical + redundant) divide over the
+    expert-parallel ranks; the message says which numbers to change."""
+    E = _experts(cfg)
+    if not E:
+        raise ValueError("--enable-eplb balances routed experts; this model has none")
+    if (E + redundant) % ep:
+        fix = (-E) % ep
+        raise ValueError(f"--enable-eplb: num_experts {E} + num_redundant_experts {redundant} = {E + redundant} "
+                         f"physical experts do not divide over the {ep} expert-parallel ranks; set "
+                         f"num_redundant_experts in --eplb-config to {fix} (or {fix} plus a multiple of {ep}), "
+                         f"or change -tp")
+
+
+def check_layout(cfg, tp: int, expert_parallel: bool, redundant: int = 0) -> None:
+    """Raise ValueError naming the first size that ``tp`` does not divide (``redundant``: EPLB's
+    extra expert slots, which --enable-eplb's own check explains)."""
     if tp == 1:
         if expert_parallel:
             return  # one rank holds every expert: nothing to split
@@ -28,7 +43,7 @@ def check_layout(cfg, tp: int, expert_parallel: bool) -> None:
     if getattr(cfg, "intermediate_size", None) and (not _experts(cfg) or getattr(cfg, "first_k_dense_replace", 0)):
         checks.append(("intermediate_size", cfg.intermediate_size))
     if _experts(cfg):
-        if expert_parallel:
+        if expert_parallel and not redundant:
             checks.append(("routed experts", _experts(cfg)))
         else:
             checks.append(("moe_intermediate_size", cfg.moe_intermediate_size))
@@ -50,8 +65,10 @@ def _span(what: str, start: int, n: int) -> str:
     return f"{what} {start}" if n == 1 else f"{what}s {start}-{start + n - 1}"
 
 
-def describe_layout(cfg, tp: int, expert_parallel: bool) -> list[str]:
-    """One line per rank: the heads, KV heads, experts and vocabulary rows it holds."""
+def describe_layout(cfg, tp: int, expert_parallel: bool, eplb_redundant: int | None = None) -> list[str]:
+    """One line per rank: the heads, KV heads, experts and vocabulary rows it holds
+    (``eplb_redundant``: EPLB is on with that many redundant experts, and the experts are its
+    initial placement's slots)."""
     lines = []
     H = cfg.num_attention_heads
     kv = getattr(cfg, "num_key_value_heads", None) or H
@@ -73,7 +90,13 @@ def describe_layout(cfg, tp: int, expert_parallel: bool) -> list[str]:
         else:
             parts.append(f"KV head {r // (tp // kv)} (replicated on {tp // kv} ranks)")
         if E:
-            if expert_parallel:
+            if eplb_redundant is not None:
+                from lane.eplb.placement import initial_phy2log
+
+                per = (E + eplb_redundant) // tp
+                held = initial_phy2log(1, E, E + eplb_redundant)[0, r * per:(r + 1) * per].tolist()
+                parts.append(f"{_span('slot', r * per, per)} holding experts {held} (EPLB's initial placement)")
+            elif expert_parallel:
                 e = E // tp
                 parts.append(f"{_span('expert', r * e, e)} whole")
             else:

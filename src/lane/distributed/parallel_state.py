@@ -73,13 +73,33 @@ class GroupCoordinator:
         self._count(step, "allgather", x.numel() * x.element_size() * self.world_size, t0)
         return torch.cat(parts, dim=dim)
 
+    def broadcast(self, x: torch.Tensor, step: int) -> torch.Tensor:
+        """The group's first rank's x, in place on every rank."""
+        if self.world_size == 1:
+            return x
+        import torch.distributed as dist
+
+        t0 = time.perf_counter()
+        dist.broadcast(x, src=self.ranks[0], group=self.group)
+        self._count(step, "broadcast", x.numel() * x.element_size(), t0)
+        return x
+
     def take_stats(self) -> dict[int, CollectiveStats]:
         out, self.stats = self.stats, {}
         return out
 
 
+@dataclass(frozen=True)
+class ExpertPlacement:
+    """How MoE layers lay out their experts: with EPLB, E + num_redundant_experts physical slots
+    behind per-layer maps (eplb/placement.py); without, slot i is expert i."""
+    eplb: bool = False
+    num_redundant_experts: int = 0
+
+
 _TP = GroupCoordinator("tp", [0], 0)
 _EP = GroupCoordinator("ep", [0], 0)
+_PLACEMENT = ExpertPlacement()
 
 
 def get_tp_group() -> GroupCoordinator:
@@ -88,6 +108,16 @@ def get_tp_group() -> GroupCoordinator:
 
 def get_ep_group() -> GroupCoordinator:
     return _EP
+
+
+def get_expert_placement() -> ExpertPlacement:
+    return _PLACEMENT
+
+
+def set_expert_placement(placement: ExpertPlacement) -> None:
+    """What the MoE layers built next read (every worker sets it before building its model)."""
+    global _PLACEMENT
+    _PLACEMENT = placement
 
 
 def set_model_parallel(tp: GroupCoordinator, ep: GroupCoordinator) -> None:

@@ -146,6 +146,7 @@ class AsyncLLM:
             for r in self.client.ready:
                 self._on_spans(r.spans or [])
                 self.traces.skipped.update(r.skipped or {})
+                self.traces.occasional.update(r.occasional or {})
             # step 9: from the last engine's start-up work to the frontend seeing it ready
             ends = [s.start + s.dur for s in self.traces.startup] or [t0]
             tracer.record(Step.ENGINE_READY, max(ends), time.monotonic(), engines=len(self.client.ready))

@@ -23,7 +23,7 @@ from lane.engine.messages import (EngineCoreOutput, EngineCoreOutputs, EngineCor
                                   EngineCoreRequestType, EngineReady, frame)
 from lane.logger import configure_process_logging
 from lane.metrics.stats import SchedulerStats
-from lane.tracing import DECODE_STEP, Step, skipped_steps, tracer
+from lane.tracing import DECODE_STEP, Step, occasional_steps, skipped_steps, tracer
 from lane.model_executor.layers import cpu_kernels
 from lane.executor import Executor
 
@@ -92,6 +92,7 @@ class EngineCore:
                                    speculative_config=config.speculative_config,
                                    structured_output=self._structured_output_manager)
         self.kv_cache_bytes = kv.total_bytes
+        self.eplb_stats = None  # the workers' latest EPLB figures (--enable-eplb)
         # what start-up made (modules, weights' wrappers, the tokenizer) lives as long as the
         # engine: frozen, the collector stops re-walking it, 2-3 % of a decode step (as vLLM's
         # EngineCore does)
@@ -162,6 +163,18 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def _execute(self, so):
+        out = self.executor.execute_model(so)
+        if out.eplb_stats is not None:
+            self.eplb_stats = out.eplb_stats
+        return out
+
+    def make_stats(self) -> SchedulerStats:
+        """The scheduler's counts, with the workers' EPLB figures."""
+        stats = self.scheduler.make_stats()
+        stats.eplb = self.eplb_stats
+        return stats
+
     def step(self) -> list[EngineCoreOutput]:
         if tracer.enabled:
             return self._traced_step()
@@ -170,7 +183,7 @@ class EngineCore:
         so = self.scheduler.schedule()
         if so.is_empty:
             return []
-        return self.scheduler.update_from_output(so, self.executor.execute_model(so))
+        return self.scheduler.update_from_output(so, self._execute(so))
 
     def _logged_step(self) -> list[EngineCoreOutput]:
         """step(), writing how its budget went and its times to the step log."""
@@ -188,7 +201,7 @@ class EngineCore:
             else:
                 prefill_tokens += n
                 prefill_reqs += 1
-        runner_output = self.executor.execute_model(so)
+        runner_output = self._execute(so)
         t2 = time.perf_counter()
         outputs = sched.update_from_output(so, runner_output)
         t3 = time.perf_counter()
@@ -223,7 +236,7 @@ class EngineCore:
         both(Step.SCHEDULER_SCHEDULE, t0, t1, running=len(self.scheduler.running), waiting=len(self.scheduler.waiting))
         t2 = time.monotonic()
         both(Step.ENGINE_DISPATCH, t1, t2, transport=self.transport)
-        runner_output = self.executor.execute_model(so)
+        runner_output = self._execute(so)
         t3 = time.monotonic()
         last = tracer.spans[-1] if tracer.spans else None
         both(Step.WORKER_RETURN, last.start + last.dur if last is not None and last.step == Step.RUNNER_SAMPLE
@@ -274,7 +287,9 @@ class EngineCoreProc:
             config.cache_config.enable_prefix_caching, self.core.executor.threads,
             tracer.drain() if tracer.enabled else None,
             skipped_steps(config.model_config.hf_config, config.parallel_config.tensor_parallel_size,
-                          config.speculative_config is not None)
+                          config.speculative_config is not None, eplb=config.parallel_config.enable_eplb)
+            if tracer.enabled else None,
+            occasional_steps(config.parallel_config.eplb_config if config.parallel_config.enable_eplb else None)
             if tracer.enabled else None))
         self._last_stats: SchedulerStats | None = None
         # Fault injection, for tests only: LANE_FAULT_INJECT=step:N makes this process's N-th
@@ -349,7 +364,7 @@ class EngineCoreProc:
         counts at each send and waits for the engine's to overwrite them). Unchanged counts are
         not sent: at one message a token, they cost the API server a dozen Prometheus updates
         a token for nothing."""
-        stats = self.core.scheduler.make_stats()
+        stats = self.core.make_stats()
         changed = self._stats_dirty or stats != self._last_stats
         if not (outputs or changed):
             return

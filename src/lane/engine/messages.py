@@ -65,6 +65,8 @@ class EngineReady:
     threads: int
     spans: list[Span] | None = None  # start-up steps 1-8, when tracing
     skipped: dict[int, str] | None = None  # steps this model never performs, and why
+    # background steps that run now and then: why a request that saw none of them has none
+    occasional: dict[int, str] | None = None
 
 
 # -- engine -> frontend framing (a Unix stream socket) ----------------------------------------

@@ -56,6 +56,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="model replicas, each its own engine with its own tensor-parallel ranks (lane serve)")
     d.add_argument("--enable-expert-parallel", action="store_true",
                    help="the tensor-parallel ranks hold whole experts (num_experts / tp each), not a slice of each")
+    add_eplb_args(d)
     d.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default=None,
                    help="mp (default past one rank): a process per rank; ray: Ray actors on a running cluster")
     d.add_argument("--nnodes", type=int, default=1, help="machines one replica's ranks span (mp backend)")
@@ -70,6 +71,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "headless nodes need the same")
     d.add_argument("--worker-timeout", type=float, default=60.0,
                    help="seconds a step may take on the workers before the engine fails")
+
+
+def add_eplb_args(group) -> None:
+    group.add_argument("--enable-eplb", action="store_true",
+                       help="expert-parallel load balancing (needs --enable-expert-parallel): count each expert's "
+                            "tokens, replicate the hot ones and move their weights between ranks while serving")
+    group.add_argument("--eplb-config", default=None, metavar="JSON",
+                       help='EPLB\'s settings (vLLM\'s fields), e.g. \'{"window_size": 1000, "step_interval": 3000, '
+                            '"num_redundant_experts": 0, "log_balancedness": false, "log_balancedness_interval": 1, '
+                            '"use_async": false}\'')
 
 
 def engine_args(args: argparse.Namespace, show_progress: bool = True):
@@ -88,6 +99,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 distributed_executor_backend=args.distributed_executor_backend, nnodes=args.nnodes,
                 node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
                 worker_timeout=args.worker_timeout, speculative_config=args.speculative_config,
+                enable_eplb=args.enable_eplb, eplb_config=args.eplb_config,
                 device=None if args.device == "auto" else args.device, rpc_secret_file=args.rpc_secret_file)
 
 
@@ -342,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     ex.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                     help="show the layout over this many ranks: who holds which heads, experts, vocabulary rows")
     ex.add_argument("--enable-expert-parallel", action="store_true")
+    add_eplb_args(ex)
 
     tm = sub.add_parser("tiny-model", help="write a small random checkpoint of an architecture (SmolLM2's tokenizer)")
     tm.add_argument("arch", choices=["llama", "qwen3", "deepseek_v3", "deepseek_v32", "deepseek_v4"])
@@ -365,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             print(explain(args.model_tag, args.dtype, args.block_size, args.kv_cache_memory_bytes,
                           args.enable_prefix_caching, args.quantization, args.tensor_parallel_size,
-                          args.enable_expert_parallel))
+                          args.enable_expert_parallel, args.enable_eplb, args.eplb_config))
         except (ValueError, FileNotFoundError, OSError) as e:
             ex.error(str(e))
         return 0

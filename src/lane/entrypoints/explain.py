@@ -92,7 +92,7 @@ def _compressed_layout(model, cfg, block_size: int, dtype, caching: bool, lines:
 
 
 def _parallel_layout(mc, tp: int, expert_parallel: bool, block_size: int, budget: int,
-                     caching: bool, sc) -> list[str]:
+                     caching: bool, sc, eplb=None) -> list[str]:
     """Who holds which heads, experts and vocabulary rows; each rank's weights and KV pool (a
     rank-0 model built on the meta device with a group of ``tp`` ranks: its shapes are a rank's)."""
     from lane.core.kv_cache_utils import get_kv_cache_config
@@ -101,14 +101,17 @@ def _parallel_layout(mc, tp: int, expert_parallel: bool, block_size: int, budget
     from lane.kv_cache_interface import FULL, group_kv_cache_specs
     from lane.model_executor.layers.attention import kv_cache_specs
 
-    saved = ps.get_tp_group(), ps.get_ep_group()
+    saved, placement = (ps.get_tp_group(), ps.get_ep_group()), ps.get_expert_placement()
     ranks = list(range(tp))
     ps.set_model_parallel(ps.GroupCoordinator("tp", ranks, 0),
                           ps.GroupCoordinator("ep", ranks if expert_parallel else [0], 0))
+    if eplb is not None:
+        ps.set_expert_placement(ps.ExpertPlacement(True, eplb.num_redundant_experts))
     try:
         model = meta_model(mc)
     finally:
         ps.set_model_parallel(*saved)
+        ps.set_expert_placement(placement)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     groups = group_kv_cache_specs(kv_cache_specs(model, block_size, mc.dtype, caching))
     kv = get_kv_cache_config(groups, budget // tp, sc.max_num_seqs, sc.max_num_batched_tokens, None)
@@ -116,7 +119,15 @@ def _parallel_layout(mc, tp: int, expert_parallel: bool, block_size: int, budget
     per_block = sum(g.page_size_bytes for g in kv.groups if g.kind == FULL)
     lines = ["", f"3 · parallel layout (tensor_parallel_size {tp}"
              + (", expert parallel: whole experts per rank" if expert_parallel else "") + ")"]
-    lines += ["  " + line for line in describe_layout(mc.hf_config, tp, expert_parallel)]
+    lines += ["  " + line for line in describe_layout(mc.hf_config, tp, expert_parallel,
+                                                      None if eplb is None else eplb.num_redundant_experts)]
+    if eplb is not None:
+        E = int(mc.hf_config.n_routed_experts)
+        lines.append(f"  EPLB: {E} logical experts in {E + eplb.num_redundant_experts} physical slots per MoE layer "
+                     f"({eplb.num_redundant_experts} redundant); heat over the last {eplb.window_size} steps, "
+                     f"a rearrangement every {eplb.step_interval} steps"
+                     + (", one layer's weights moved per step (use_async)" if eplb.use_async else
+                        ", every layer's weights moved between two steps"))
     lines.append(f"  each rank: weights {weights / 2**20:,.1f} MiB "
                  + ("(dense shapes; a GGUF's kept blocks take less) " if mc.gguf_file else "")
                  + f"and a KV pool of {kv.num_blocks[main] - 1:,} blocks of {per_block:,} B "
@@ -128,16 +139,16 @@ def _parallel_layout(mc, tp: int, expert_parallel: bool, block_size: int, budget
 
 def explain(model: str | None, dtype: str = "auto", block_size: int | None = None,
             kv_cache_memory_bytes: int | None = None, enable_prefix_caching: bool = True,
-            quantization: str = "auto", tensor_parallel_size: int = 1, enable_expert_parallel: bool = False) -> str:
-    from lane.config import CacheConfig, ModelConfig, SchedulerConfig
-    from lane.distributed.layout import check_layout
+            quantization: str = "auto", tensor_parallel_size: int = 1, enable_expert_parallel: bool = False,
+            enable_eplb: bool = False, eplb_config: str | dict | None = None) -> str:
+    from lane.config import CacheConfig, EplbConfig, ModelConfig, ParallelConfig, SchedulerConfig
 
     plugins.load_general_plugins()
     mc = ModelConfig(model, dtype=dtype, quantization=quantization)
     cfg = mc.hf_config
-    if tensor_parallel_size < 1:
-        raise ValueError(f"--tensor-parallel-size must be >= 1, got {tensor_parallel_size}")
-    check_layout(cfg, tensor_parallel_size, enable_expert_parallel)
+    pc = ParallelConfig(tensor_parallel_size, enable_expert_parallel=enable_expert_parallel,
+                        enable_eplb=enable_eplb, eplb_config=EplbConfig.parse(eplb_config))
+    pc.check_model(cfg)
     block_size = mc.resolve_block_size(block_size)
     lines = [f"model: {mc.gguf_file or mc.model_dir}", "", "1 · registry (which implementation serves it)"]
     archs = mc.architectures
@@ -223,5 +234,5 @@ def explain(model: str | None, dtype: str = "auto", block_size: int | None = Non
                      f"the engine refuses this budget unless --max-model-len is lower")
     if tensor_parallel_size > 1 or enable_expert_parallel:
         lines += _parallel_layout(mc, tensor_parallel_size, enable_expert_parallel, block_size, budget,
-                                  enable_prefix_caching, sc)
+                                  enable_prefix_caching, sc, pc.eplb_config if enable_eplb else None)
     return "\n".join(lines)

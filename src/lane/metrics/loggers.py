@@ -12,6 +12,8 @@ from lane.metrics.stats import IterationStats, SchedulerStats, SpecDecodingStats
 
 logger = logging.getLogger(__name__)
 
+# a rearrangement: a few ms on a tiny model, seconds for a big one
+EPLB_SECONDS_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 # vLLM's buckets
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
@@ -82,6 +84,19 @@ class PrometheusStatLogger:
                                            "Number of prefill tokens processed.", TOKEN_BUCKETS)
         self.req_generation_tokens = histogram("vllm:request_generation_tokens",
                                                "Number of generation tokens processed.", TOKEN_BUCKETS)
+        # EPLB (--enable-eplb): vLLM's proposed names where it has them (README, "EPLB metrics")
+        self.eplb_balancedness_min = gauge("vllm:eplb_balancedness_min",
+                                           "Mean over max tokens per expert-parallel rank, worst MoE layer, "
+                                           "over the last EPLB window.")
+        self.eplb_balancedness_p50 = gauge("vllm:eplb_balancedness_p50",
+                                           "Mean over max tokens per expert-parallel rank, median MoE layer, "
+                                           "over the last EPLB window.")
+        self.eplb_rebalance_events = counter("vllm:eplb_rebalance_events", "EPLB rearrangements decided.")
+        self.eplb_rebalancing = gauge("vllm:eplb_rebalancing", "1 while EPLB is moving expert weights.")
+        self.eplb_seconds = histogram("lane:eplb_rearrangement_seconds",
+                                      "Time of each EPLB rearrangement: heat gathered, placement, weights moved.",
+                                      EPLB_SECONDS_BUCKETS)
+        self.eplb_moved_bytes = counter("lane:eplb_moved_bytes", "Expert weight bytes EPLB sent between ranks.")
         self.cache_config_info = Gauge(
             "vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
             ["model_name", "engine", "block_size", "num_gpu_blocks", "enable_prefix_caching",
@@ -126,6 +141,8 @@ class PrometheusStatLogger:
                 self.spec_accepted.labels(*lv).inc(d.num_accepted_tokens)
                 for pos, n in enumerate(d.num_accepted_tokens_per_pos):
                     self.spec_accepted_per_pos.labels(*lv, str(pos)).inc(n)
+            if s.eplb is not None:
+                self._record_eplb(lv, s.eplb, last.eplb)
             self._last[engine_index] = s
         if iteration_stats is None:
             return
@@ -147,6 +164,16 @@ class PrometheusStatLogger:
             self.req_generation_tokens.labels(*lv).observe(f.num_generation_tokens)
             if f.num_generation_tokens > 1:
                 self.tpot.labels(*lv).observe(f.decode_time / (f.num_generation_tokens - 1))
+
+
+    def _record_eplb(self, lv: tuple, e, last) -> None:
+        self.eplb_balancedness_min.labels(*lv).set(e.balancedness_min)
+        self.eplb_balancedness_p50.labels(*lv).set(e.balancedness_p50)
+        self.eplb_rebalancing.labels(*lv).set(int(e.rebalancing))
+        self.eplb_rebalance_events.labels(*lv).inc(max(e.rebalance_events - (last.rebalance_events if last else 0), 0))
+        self.eplb_moved_bytes.labels(*lv).inc(max(e.moved_bytes - (last.moved_bytes if last else 0), 0))
+        for seconds in e.rearrangement_seconds[len(last.rearrangement_seconds) if last else 0:]:
+            self.eplb_seconds.labels(*lv).observe(seconds)
 
 
 class LoggingStatLogger:

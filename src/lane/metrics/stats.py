@@ -20,6 +20,19 @@ class SchedulerStats:
     prefix_cache_hits: int = 0  # tokens found
     num_preemptions: int = 0
     spec_decoding: "SpecDecodingStats | None" = None  # with speculative decoding
+    eplb: "EplbStats | None" = None  # with --enable-eplb
+
+
+@dataclass
+class EplbStats:
+    """Expert load balancing, from the workers (rank 0's view; every rank keeps the same maps)."""
+    # mean over max tokens per EP rank, worst and median MoE layer, over the last heat window
+    balancedness_min: float = 1.0
+    balancedness_p50: float = 1.0
+    rebalance_events: int = 0  # rearrangements decided (cumulative)
+    rebalancing: bool = False  # weights are being moved (async: over several steps)
+    rearrangement_seconds: list[float] = field(default_factory=list)  # each finished rearrangement's time
+    moved_bytes: int = 0  # expert weight bytes sent between ranks (cumulative)
 
 
 @dataclass

@@ -100,7 +100,7 @@ DECODE_STEP = {Step.SCHEDULER_SCHEDULE: Step.SCHEDULER_DECODE_BATCH, Step.KV_ALL
 
 
 def skipped_steps(hf_config, tensor_parallel_size: int = 1, speculative: bool = False,
-                  pd_disaggregation: bool = False) -> dict[int, str]:
+                  pd_disaggregation: bool = False, eplb: bool = False) -> dict[int, str]:
     """Steps this model and set-up never perform, and why (shown greyed in a trace)."""
     moe = any(getattr(hf_config, k, None) for k in ("n_routed_experts", "num_local_experts", "num_experts"))
     out: dict[int, str] = {}
@@ -116,6 +116,9 @@ def skipped_steps(hf_config, tensor_parallel_size: int = 1, speculative: bool = 
     if not moe:
         for step in (Step.EPLB_INITIAL_PLACEMENT, Step.MODEL_MOE_ROUTE, Step.EPLB_COLLECT, Step.EPLB_REBALANCE):
             out[step] = "dense model: no routed experts"
+    elif not eplb:
+        for step in (Step.EPLB_INITIAL_PLACEMENT, Step.EPLB_COLLECT, Step.EPLB_REBALANCE):
+            out[step] = "EPLB off (--enable-eplb): experts stay where they loaded"
     if not speculative:
         for step in (Step.MODEL_MTP_DRAFT, Step.MODEL_VERIFY, Step.RUNNER_REJECTION_SAMPLE, Step.KV_ROLLBACK):
             out[step] = "speculative decoding off"
@@ -124,3 +127,13 @@ def skipped_steps(hf_config, tensor_parallel_size: int = 1, speculative: bool = 
     return out
 
 
+
+
+def occasional_steps(eplb_config=None) -> dict[int, str]:
+    """Background steps that run every so often, and why a request's trace may hold none."""
+    out: dict[int, str] = {}
+    if eplb_config is not None:
+        n = eplb_config.step_interval
+        out[Step.EPLB_COLLECT] = f"EPLB collects expert heat every {n} engine steps; none while this request ran"
+        out[Step.EPLB_REBALANCE] = f"EPLB rearranges experts every {n} engine steps; none while this request ran"
+    return out

@@ -15,6 +15,7 @@ class TraceStore:
         self.max_requests = max_requests
         self.startup: list[Span] = []
         self.skipped: dict[int, str] = {}
+        self.occasional: dict[int, str] = {}  # background steps, and why a request may have seen none
         self.requests: OrderedDict[str, list[Span]] = OrderedDict()
         self.background: deque[Span] = deque(maxlen=512)
 
@@ -43,7 +44,9 @@ class TraceStore:
         t0 = min(s.start for s in spans)
         t1 = max(s.start + s.dur for s in spans)
         background = [s for s in self.background if t0 <= s.start <= t1]
-        skipped = [Span(step, t0, 0.0, None, {}, 0, reason) for step, reason in sorted(self.skipped.items())]
+        ran = {s.step for s in background}
+        reasons = {**{k: v for k, v in self.occasional.items() if k not in ran}, **self.skipped}
+        skipped = [Span(step, t0, 0.0, None, {}, 0, reason) for step, reason in sorted(reasons.items())]
         return {"request_id": request_id, "spans": [span_dict(s) for s in
                                                     sorted(self.startup + spans + background, key=_order)]
                 + [span_dict(s) for s in skipped]}

@@ -52,7 +52,12 @@ class Worker:
         torch.manual_seed(mc.seed)
         if pc.world_size > 1:
             self._init_distributed(pc, mc.device_type)
+        from lane.distributed.parallel_state import ExpertPlacement, set_expert_placement
+
+        set_expert_placement(ExpertPlacement(pc.enable_eplb, pc.eplb_config.num_redundant_experts if pc.enable_eplb
+                                             else 0))
         self.model = get_model(mc, config.load_threads, config.show_progress and rank == 0)  # step 4
+        self.eplb = self._init_eplb(pc, mc.hf_config) if pc.enable_eplb else None
         if on_cpu:
             cpu_kernels.build()
         if binding and cpu_kernels.available():  # after loading: the loader's threads would inherit one CPU
@@ -93,6 +98,20 @@ class Worker:
             tracer.record(Step.DIST_BIND_GROUPS, t1, time.monotonic(), tp_rank=tp.rank_in_group,
                           ep_rank=ep.rank_in_group)
 
+    def _init_eplb(self, pc, hf_config):
+        """Step 7: the initial expert map (redundant slots to experts i % E) and EPLB's state."""
+        from lane.distributed.parallel_state import get_ep_group
+        from lane.eplb.state import EplbState
+
+        t0 = time.monotonic()
+        ep = get_ep_group()
+        groups = int(getattr(hf_config, "n_group", None) or 1)
+        nodes = pc.nnodes if ep.world_size % pc.nnodes == 0 else 1
+        state = EplbState(self.model.moe_layers(), pc.eplb_config, ep, groups, nodes)
+        if tracer.enabled:
+            tracer.record(Step.EPLB_INITIAL_PLACEMENT, t0, time.monotonic(), **state.describe())
+        return state
+
     def determine_kv_cache_config(self) -> KVCacheConfig:
         """This rank's share of the budget (ranks on one machine split it), in blocks: every rank
         holds the same blocks of its own heads, so rank 0's config fits them all."""
@@ -122,6 +141,16 @@ class Worker:
         layers = self.model.moe_layers() if hasattr(self.model, "moe_layers") else {}
         return {i: m.expert_counts.tolist() for i, m in layers.items()}
 
+    def expert_slots(self) -> dict[int, tuple[list[int], list[torch.Tensor]]]:
+        """Per MoE layer: the logical expert each of this rank's slots holds, and the slots' weight
+        tensors (with quantized experts' scales and sums): what EPLB's moves can be checked by."""
+        layers = self.model.moe_layers() if hasattr(self.model, "moe_layers") else {}
+        return {i: (m.local_logical().tolist(), [t.clone() for t in m.slot_tensors()]) for i, m in layers.items()}
+
+    def eplb_window_load(self) -> torch.Tensor:
+        """[MoE layers, physical slots]: the tokens this rank's slots served over EPLB's window."""
+        return self.eplb.window.sum(0)
+
     def collective_stats(self) -> dict[int, tuple[int, int, float]]:
         """Seed step -> (collectives, bytes, seconds) on this rank since the last call."""
         from lane.distributed.parallel_state import get_tp_group
@@ -137,9 +166,14 @@ class Worker:
         if hasattr(self.model, "moe_layers"):  # expert heat counts served tokens only
             for moe in self.model.moe_layers().values():
                 moe.expert_counts.zero_()
+        if self.eplb is not None:
+            self.eplb.clear_step()
         if tracer.enabled:
             tracer.record(Step.WORKER_WARMUP, t0, time.monotonic(), tokens=n)
         return time.monotonic() - t0
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.runner.execute_model(scheduler_output)
+        out = self.runner.execute_model(scheduler_output)
+        if self.eplb is not None:  # steps 53-54 when their step comes; the stats when they changed
+            out.eplb_stats = self.eplb.step()
+        return out

@@ -12,6 +12,10 @@ experts and computes only the (token, slot) pairs routed to them. Either way a r
 is a partial sum that the caller all-reduces once, with the shared experts' (seed step 31).
 Every rank of a replica holds every token, so dispatch needs no collective here; the combine
 is that all-reduce (an all-gather + reduce-scatter would move the same bytes).
+
+With EPLB (``eplb/``) a layer holds physical expert slots, E + R of them (R redundant), P / ep on
+each rank; the router's logical choices go through the layer's ``ExpertMap`` to one replica each,
+and each forward adds the tokens every slot served into the EPLB state's step buffer.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lane.eplb.placement import ExpertMap
 from lane.model_executor.layers.activation import silu_and_mul
 from lane.model_executor.layers import cpu_kernels
 from lane.model_executor.layers.linear import int8_linear, linear
@@ -77,43 +82,55 @@ class FusedMoE(nn.Module):
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  swiglu_limit: float | None = None) -> None:
-        from lane.distributed.parallel_state import get_ep_group, get_tp_group
+        from lane.distributed.parallel_state import get_ep_group, get_expert_placement, get_tp_group
 
         super().__init__()
         self.swiglu_limit = swiglu_limit  # V4 clamps gate (above) and up (both sides)
         self.num_experts = num_experts
         self.top_k = top_k
         tp, ep = get_tp_group(), get_ep_group()
-        # expert parallel: whole experts [expert_start, expert_start + local_experts); else a
+        placement = get_expert_placement()
+        # physical slots: the logical experts, plus the redundant ones under EPLB
+        self.num_physical = num_experts + (placement.num_redundant_experts if placement.eplb else 0)
+        # expert parallel: whole experts in slots [expert_start, expert_start + local_experts); else a
         # 1/tp slice of every expert's intermediate
         self.ep_size, self.tp_size = ep.world_size, (1 if ep.world_size > 1 else tp.world_size)
         self.tp_rank = tp.rank_in_group if self.tp_size > 1 else 0
-        self.local_experts = num_experts // self.ep_size
+        self.local_experts = self.num_physical // self.ep_size
         self.expert_start = ep.rank_in_group * self.local_experts
+        # EPLB: which logical expert each slot holds (None: slot i holds expert i, for good)
+        self.expert_map = ExpertMap.initial(num_experts, self.num_physical) if placement.eplb else None
+        self.eplb_load: torch.Tensor | None = None  # [P]: the EPLB state's step buffer row (layers it manages)
         self.full_intermediate_size = intermediate_size
         self.intermediate_size = inter = intermediate_size // self.tp_size
         self.w13 = nn.Parameter(torch.empty(self.local_experts, 2 * inter, hidden_size))
         self.w2 = nn.Parameter(torch.empty(self.local_experts, hidden_size, inter))
-        # tokens routed to each expert (global ids; a rank counts its own experts) since start-up
+        # tokens routed to each logical expert (a rank counts its own slots) since start-up
         self.register_buffer("expert_counts", torch.zeros(num_experts, dtype=torch.long), persistent=False)
 
+    def local_logical(self) -> torch.Tensor:
+        """The logical expert of each of this rank's slots [local_experts]."""
+        lo, n = self.expert_start, self.local_experts
+        return self.expert_map.phy2log[lo:lo + n] if self.expert_map is not None else torch.arange(lo, lo + n)
+
+    def _slots_of(self, expert: int) -> list[int]:
+        return [s for s, e in enumerate(self.local_logical().tolist()) if e == expert]
+
     def load_expert(self, proj: str, expert: int, tensor: torch.Tensor) -> str:
-        """One expert's checkpoint matrix (``proj`` "gate", "up" or "down") into this rank's
-        weights (nothing for an expert another rank holds); returns the parameter's name."""
-        e = expert - self.expert_start
-        if not 0 <= e < self.local_experts:
-            return "w2" if proj == "down" else "w13"
+        """One expert's checkpoint matrix (``proj`` "gate", "up" or "down") into every slot of this
+        rank that holds it (none: another rank's expert); returns the parameter's name."""
         inter = self.intermediate_size
-        if proj == "down":
-            dst, src = self.w2[e], tensor.narrow(1, self.tp_rank * inter, inter)
-        else:
-            dst = self.w13[e].narrow(0, inter * (proj == "up"), inter)
-            src = tensor.narrow(0, self.tp_rank * inter, inter)
-        if dst.shape != src.shape:
-            raise ValueError(f"expert {expert} {proj}: checkpoint shape {tuple(tensor.shape)} does not fit "
-                             f"{tuple(dst.shape)} on this rank")
-        with torch.no_grad():
-            dst.copy_(src)
+        for e in self._slots_of(expert):
+            if proj == "down":
+                dst, src = self.w2[e], tensor.narrow(1, self.tp_rank * inter, inter)
+            else:
+                dst = self.w13[e].narrow(0, inter * (proj == "up"), inter)
+                src = tensor.narrow(0, self.tp_rank * inter, inter)
+            if dst.shape != src.shape:
+                raise ValueError(f"expert {expert} {proj}: checkpoint shape {tuple(tensor.shape)} does not fit "
+                                 f"{tuple(dst.shape)} on this rank")
+            with torch.no_grad():
+                dst.copy_(src)
         return "w2" if proj == "down" else "w13"
 
     def load_stacked(self, attr: str, tensor: torch.Tensor) -> None:
@@ -123,15 +140,17 @@ class FusedMoE(nn.Module):
             (self.num_experts, self.w2.shape[1], self.full_intermediate_size)
         if tuple(tensor.shape) != want:
             raise ValueError(f"stacked experts {attr}: checkpoint shape {tuple(tensor.shape)} != {want}")
-        mine, all_ = slice(self.expert_start, self.expert_start + self.local_experts), slice(None)
+        all_ = slice(None)
         inter, lo = self.intermediate_size, self.tp_rank * self.intermediate_size
-        if attr == "w2":
-            src = tensor[mine, all_, lo:lo + inter]
-        else:
-            full = self.full_intermediate_size
-            src = torch.cat((tensor[mine, lo:lo + inter], tensor[mine, full + lo:full + lo + inter]), dim=1)
+        full = self.full_intermediate_size
+        parts = []
+        for mine in _runs(self.local_logical().tolist()):  # the slots' experts, a slice per consecutive run
+            if attr == "w2":
+                parts.append(tensor[mine, all_, lo:lo + inter])
+            else:
+                parts.append(torch.cat((tensor[mine, lo:lo + inter], tensor[mine, full + lo:full + lo + inter]), dim=1))
         with torch.no_grad():
-            getattr(self, attr).copy_(src)
+            getattr(self, attr).copy_(torch.cat(parts) if len(parts) > 1 else parts[0])
 
     def quantize_int8(self, activations: bool) -> None:
         """The loaded experts to int8 per (expert, output channel): qw13 / qw2 int8 with fp32
@@ -149,6 +168,13 @@ class FusedMoE(nn.Module):
     def quantized_tensors(self) -> list[torch.Tensor | None]:
         return [getattr(self, a, None) for a in ("qw13", "w13_scale", "w13_sums", "qw2", "w2_scale", "w2_sums")]
 
+    def slot_tensors(self) -> list[torch.Tensor]:
+        """Every tensor that holds a slot's weights (first dimension: this rank's slots), with the
+        scales and sums of quantized experts: what EPLB moves."""
+        if self.qkind is None:
+            return [self.w13.data, self.w2.data]
+        return [t for t in self.quantized_tensors() if t is not None]
+
     def _expert(self, name: str, e: int, x: torch.Tensor) -> torch.Tensor:
         if self.qkind is None:
             return linear(x, getattr(self, name)[e])
@@ -159,15 +185,22 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """x [T, H]; topk_weights, topk_ids [T, k] -> [T, H] (this rank's part of the sum)"""
         k = topk_ids.shape[1]
+        if self.expert_map is not None:  # logical -> one physical replica each
+            topk_ids = self.expert_map.to_physical(topk_ids)
         flat, weights = topk_ids.reshape(-1), topk_weights.reshape(-1)
         token = None  # pair i's token is i // k, unless pairs were dropped
-        if self.ep_size > 1:  # the pairs routed to this rank's experts
+        if self.ep_size > 1 or self.expert_map is not None:  # the pairs routed to this rank's slots
             mine = (flat >= self.expert_start) & (flat < self.expert_start + self.local_experts)
             token = (torch.arange(flat.numel()) // k)[mine]
             flat, weights = flat[mine] - self.expert_start, weights[mine]
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=self.local_experts)
-        self.expert_counts[self.expert_start:self.expert_start + self.local_experts] += counts
+        if self.expert_map is None:
+            self.expert_counts[self.expert_start:self.expert_start + self.local_experts] += counts
+        else:
+            self.expert_counts.index_add_(0, self.local_logical(), counts)
+        if self.eplb_load is not None:  # heat, per physical slot (EPLB's window reads it)
+            self.eplb_load[self.expert_start:self.expert_start + self.local_experts] += counts
         token_of = order // k if token is None else token[order]
         rows = x.index_select(0, token_of)
         out = torch.empty_like(rows)
@@ -186,3 +219,13 @@ class FusedMoE(nn.Module):
         gate, up = gate_up.chunk(2, dim=-1)
         lim = self.swiglu_limit
         return F.silu(gate.clamp(max=lim)) * up.clamp(min=-lim, max=lim)
+
+
+def _runs(ids: list[int]) -> list[slice]:
+    """Consecutive ascending runs of expert ids as slices: [3, 4, 5, 0, 1] -> [3:6, 0:2]."""
+    out, start = [], 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or ids[i] != ids[i - 1] + 1:
+            out.append(slice(ids[start], ids[i - 1] + 1))
+            start = i
+    return out
