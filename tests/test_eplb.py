@@ -334,7 +334,8 @@ def test_serve_moves_experts_under_16_streams_and_each_equals_its_solo_run(tiny)
     want = [ref.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0].text for p in prompts]
     ref.shutdown()
     with RemoteServer(["--model", tiny["deepseek_v4"], "--dtype", "float32", "-tp", "2", "--enable-expert-parallel",
-                       "--enable-eplb", "--eplb-config", json.dumps(eplb), "--max-num-batched-tokens", "32"]) as s:
+                       "--enable-eplb", "--eplb-config", json.dumps(eplb), "--max-num-batched-tokens", "32",
+                       "--trace"]) as s:
         import concurrent.futures
 
         client = s.client(timeout=120)
@@ -343,11 +344,24 @@ def test_serve_moves_experts_under_16_streams_and_each_equals_its_solo_run(tiny)
         def one(p):
             r = client.completions.create(model=model, prompt=p, max_tokens=12, temperature=0, stream=True,
                                           extra_body={"ignore_eos": True})
-            return "".join(chunk.choices[0].text for chunk in r if chunk.choices)
+            chunks = list(r)
+            return "".join(c.choices[0].text for c in chunks if c.choices), chunks[0].id
 
         with concurrent.futures.ThreadPoolExecutor(16) as pool:
             got = list(pool.map(one, prompts))
-        assert got == want
+        assert [text for text, _ in got] == want
+        # every trace: step 7 from both ranks at start-up; 53 and 54 recorded where they ran while the
+        # request did, else skipped saying so
+        ran = set()
+        for _, rid in got:
+            spans = httpx.get(f"{s.url}/v1/traces/{rid}").json()["spans"]
+            assert {sp["attrs"].get("rank") for sp in spans if sp["step"] == 7 and not sp.get("skipped")} == {0, 1}
+            for step in (53, 54):
+                mine = [sp for sp in spans if sp["step"] == step]
+                assert mine and (all(not sp.get("skipped") for sp in mine)
+                                 or "none while this request ran" in mine[0]["skipped"])
+                ran |= {step for sp in mine if not sp.get("skipped")}
+        assert ran == {53, 54}
         metrics = httpx.get(s.url + "/metrics").text
         assert _metric(metrics, "vllm:eplb_rebalance_events_total") >= 2
         assert _metric(metrics, "lane:eplb_moved_bytes_total") > 0
