@@ -164,7 +164,9 @@ class EplbState:
         if tracer.enabled and self.config.use_async:  # a span per layer: each runs in its own step
             tracer.record(Step.EPLB_REBALANCE, t0, time.monotonic(), layer=self.layer_ids[j],
                           experts_moved=plan.experts_moved, local_copies=len(plan.local_copies), bytes=nbytes,
-                          layers_left=len(self._pending), use_async=True)
+                          layers_left=len(self._pending), use_async=True,
+                          balancedness_before=round(m["before"][j].item(), 4),
+                          balancedness_after=round(m["after"][j].item(), 4))
         if not self._pending:
             self._finish()
 
