@@ -167,8 +167,9 @@ def test_slots_that_keep_their_expert_stay_and_the_plan_moves_the_rest():
      "ranks; set num_redundant_experts in --eplb-config to 0 (or 0 plus a multiple of 2)"),
 ])
 def test_bad_eplb_flags_are_refused_by_name(tiny, capsys, args, needle):
+    # no --quiet: in this process it would set LANE_LOGGING_LEVEL for every process started after
     with pytest.raises(SystemExit) as e:
-        lane_main(["generate", "hi", "--quiet", "--model", tiny["deepseek_v4"], *args])
+        lane_main(["generate", "hi", "--model", tiny["deepseek_v4"], *args])
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert needle in err and "Traceback" not in err
