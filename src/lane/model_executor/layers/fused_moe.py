@@ -189,16 +189,13 @@ class FusedMoE(nn.Module):
             topk_ids = self.expert_map.to_physical(topk_ids)
         flat, weights = topk_ids.reshape(-1), topk_weights.reshape(-1)
         token = None  # pair i's token is i // k, unless pairs were dropped
-        if self.ep_size > 1 or self.expert_map is not None:  # the pairs routed to this rank's slots
+        if self.ep_size > 1:  # the pairs routed to this rank's slots
             mine = (flat >= self.expert_start) & (flat < self.expert_start + self.local_experts)
             token = (torch.arange(flat.numel()) // k)[mine]
             flat, weights = flat[mine] - self.expert_start, weights[mine]
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=self.local_experts)
-        if self.expert_map is None:
-            self.expert_counts[self.expert_start:self.expert_start + self.local_experts] += counts
-        else:
-            self.expert_counts.index_add_(0, self.local_logical(), counts)
+        self.expert_counts.index_add_(0, self.local_logical(), counts)
         if self.eplb_load is not None:  # heat, per physical slot (EPLB's window reads it)
             self.eplb_load[self.expert_start:self.expert_start + self.local_experts] += counts
         token_of = order // k if token is None else token[order]
