@@ -346,6 +346,76 @@ class SpeculativeConfig:
         return self.num_speculative_tokens if self.method == "mtp" else 0
 
 
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+_KV_KEYS = ("kv_connector", "kv_role", "kv_rank", "kv_parallel_size", "kv_ip", "kv_port", "engine_id",
+            "kv_connector_extra_config")
+
+
+@dataclass
+class KVTransferConfig:
+    """``--kv-transfer-config`` (vLLM's fields): which connector moves KV between a prefill and a
+    decode engine, this engine's role, and where the connector listens or stores."""
+    kv_connector: str
+    kv_role: str = "kv_both"
+    kv_rank: int | None = None
+    kv_parallel_size: int = 1
+    kv_ip: str = "127.0.0.1"
+    kv_port: int = 14579
+    engine_id: str | None = None
+    kv_connector_extra_config: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        from lane.kv_transfer.factory import CONNECTORS
+
+        if self.kv_connector not in CONNECTORS:
+            raise ValueError(f"--kv-transfer-config kv_connector {self.kv_connector!r} is not one of "
+                             f"{', '.join(CONNECTORS)}")
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"--kv-transfer-config kv_role {self.kv_role!r} is not one of {', '.join(KV_ROLES)}")
+        for key, least in (("kv_parallel_size", 1), ("kv_port", 1)):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                raise ValueError(f"--kv-transfer-config {key} must be an integer >= {least}, got {v!r}")
+        if self.kv_port > 65535:
+            raise ValueError(f"--kv-transfer-config kv_port must be <= 65535, got {self.kv_port}")
+        if self.kv_rank is not None and (isinstance(self.kv_rank, bool) or not isinstance(self.kv_rank, int)
+                                         or self.kv_rank < 0):
+            raise ValueError(f"--kv-transfer-config kv_rank must be an integer >= 0, got {self.kv_rank!r}")
+        if not isinstance(self.kv_connector_extra_config, dict):
+            raise ValueError("--kv-transfer-config kv_connector_extra_config must be an object")
+        if self.engine_id is None:
+            import uuid
+
+            self.engine_id = uuid.uuid4().hex
+
+    @property
+    def is_kv_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_kv_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    @classmethod
+    def parse(cls, value: "str | dict | KVTransferConfig | None") -> "KVTransferConfig | None":
+        """A JSON object (the flag's text) or a dict (``LLM(kv_transfer_config=...)``)."""
+        if value is None or isinstance(value, KVTransferConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as e:
+                raise ValueError(f"--kv-transfer-config is not JSON: {e}") from None
+        if not isinstance(value, dict) or "kv_connector" not in value:
+            raise ValueError('--kv-transfer-config must be an object with a "kv_connector", e.g. '
+                             '{"kv_connector": "ExampleConnector", "kv_role": "kv_both", '
+                             '"kv_connector_extra_config": {"shared_storage_path": "/tmp/kv"}}')
+        if unknown := sorted(set(value) - set(_KV_KEYS)):
+            raise ValueError(f"--kv-transfer-config: unknown key(s) {', '.join(unknown)} "
+                             f"(known: {', '.join(_KV_KEYS)})")
+        return cls(**value)
+
+
 @dataclass
 class EngineConfig:
     model_config: ModelConfig
@@ -355,6 +425,7 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = None
     threads: int | None = None
     load_threads: int = 4
+    kv_transfer_config: KVTransferConfig | None = None
     show_progress: bool = True
     engine_args: "EngineArgs | None" = None  # what made it: worker processes make theirs from it
 
@@ -364,6 +435,11 @@ class EngineConfig:
         if self.speculative_config is not None:
             self.speculative_config.check_model(self.model_config.hf_config,
                                                 (self.model_config.architectures or ["this model"])[0])
+        if (self.kv_transfer_config is not None and self.model_config.block_size_multiple > 1
+                and not self.cache_config.enable_prefix_caching):
+            raise ValueError("--kv-transfer-config with compressed attention (DeepSeek V4) needs prefix caching: "
+                             "a request resumes from transferred blocks through their block-edge snapshots, which "
+                             "only a cache with prefix caching keeps (drop --no-enable-prefix-caching)")
 
 
 class EngineArgsError(ValueError):
@@ -401,6 +477,7 @@ class EngineArgs:
     enable_eplb: bool = False
     eplb_config: dict | str | None = None  # JSON text or a dict (EplbConfig's fields)
     speculative_config: dict | str | None = None  # JSON text or a dict (SpeculativeConfig's fields)
+    kv_transfer_config: dict | str | None = None  # JSON text or a dict (KVTransferConfig's fields)
     device: str | None = None  # None / "auto": the CPU (the only device lane runs on yet)
 
     def create_parallel_config(self) -> ParallelConfig:
@@ -424,4 +501,6 @@ class EngineArgs:
                         self.kv_cache_memory_bytes),
             SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs,
                             policy=os.environ.get("LANE_SCHEDULER_POLICY", "").strip() or "decode-first"),
-            self.create_parallel_config(), SpeculativeConfig.parse(self.speculative_config), threads=self.threads, show_progress=self.show_progress, engine_args=self)
+            self.create_parallel_config(), SpeculativeConfig.parse(self.speculative_config), threads=self.threads,
+            show_progress=self.show_progress, engine_args=self,
+            kv_transfer_config=KVTransferConfig.parse(self.kv_transfer_config))

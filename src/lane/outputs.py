@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from lane.kv_transfer.base import KVConnectorOutput
     from lane.metrics.stats import EplbStats
 
 
@@ -56,6 +57,7 @@ class ModelRunnerOutput:
     # speculative decoding: each sampled request's drafts for its next step (same order)
     spec_token_ids: list[list[int]] | None = None
     eplb_stats: "EplbStats | None" = None  # --enable-eplb: the workers' EPLB figures, when they changed
+    kv_connector_output: "KVConnectorOutput | None" = None  # PD disaggregation: what transfers did
 
     @property
     def req_id_to_index(self) -> dict[str, int]:

@@ -44,16 +44,17 @@ class KVCacheCoordinator:
                 return KVCacheBlocks(tuple(blocks for _, blocks in hits)), n
             n = shortest
 
-    def allocate(self, request_id: str, num_tokens: int, hit: KVCacheBlocks) -> KVCacheBlocks | None:
+    def allocate(self, request_id: str, num_tokens: int, hit: KVCacheBlocks, num_skipped_tokens: int = 0
+                 ) -> KVCacheBlocks | None:
         """Slots for ``num_tokens`` tokens in every group (the hit taken first), or None
-        when some group's pool cannot supply them."""
+        when some group's pool cannot supply them (``num_skipped_tokens``: allocate_slots')."""
         for m, blocks in zip(self.managers, hit.blocks):
-            if m.get_num_blocks_to_allocate(request_id, num_tokens, blocks) > m.pool.num_free_blocks:
+            if m.get_num_blocks_to_allocate(request_id, num_tokens, blocks, num_skipped_tokens) > m.pool.num_free_blocks:
                 return None
         new = []
         for m, blocks in zip(self.managers, hit.blocks):
             m.save_new_computed_blocks(request_id, blocks)
-            new.append(m.allocate_new_blocks(request_id, num_tokens))
+            new.append(m.allocate_new_blocks(request_id, num_tokens, num_skipped_tokens))
         return KVCacheBlocks(tuple(new))
 
     def cache_blocks(self, request_id: str, block_hashes: list[bytes], num_computed_tokens: int) -> None:

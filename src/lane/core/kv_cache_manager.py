@@ -52,13 +52,15 @@ class KVCacheManager:
 
     def allocate_slots(self, req: Request, num_new_tokens: int,
                        new_computed_blocks: KVCacheBlocks | None = None,
-                       num_lookahead_tokens: int = 0) -> KVCacheBlocks | None:
+                       num_lookahead_tokens: int = 0, num_skipped_tokens: int = 0) -> KVCacheBlocks | None:
         """Slots for ``num_new_tokens`` more tokens in every group (step 18 / 42), plus
         ``num_lookahead_tokens`` past them (an MTP drafter's own positions): the new blocks,
-        or None if a pool cannot supply them (the caller then preempts)."""
+        or None if a pool cannot supply them (the caller then preempts). The first
+        ``num_skipped_tokens`` tokens are computed already (a transfer's): a sliding window's
+        blocks that the next query cannot see get the null block, not a slot."""
         hit = new_computed_blocks or self.coordinator.empty()
         total = req.num_computed_tokens + hit.num_blocks * self.block_size + num_new_tokens + num_lookahead_tokens
-        return self.coordinator.allocate(req.request_id, total, hit)
+        return self.coordinator.allocate(req.request_id, total, hit, num_skipped_tokens)
 
     def cache_blocks(self, req: Request) -> None:
         """After a step: register newly full blocks in the prefix cache, release window

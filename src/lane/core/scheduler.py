@@ -32,7 +32,8 @@ from lane.core.request import Request, RequestStatus
 from lane.core.scheduler_output import CachedRequestData, NewRequestData, SchedulerOutput
 from lane.engine.messages import EngineCoreOutput
 from lane.kv_cache_interface import KVCacheConfig
-from lane.metrics.stats import SchedulerStats, SpecDecodingStats
+from lane.kv_transfer.base import KVConnectorBase
+from lane.metrics.stats import KVTransferStats, SchedulerStats, SpecDecodingStats
 from lane.outputs import ModelRunnerOutput
 from lane.tracing.steps import Step
 
@@ -53,7 +54,8 @@ class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, kv_cache_config: KVCacheConfig,
                  enable_prefix_caching: bool = True, eos_token_ids: list[int] | None = None,
                  log_events: bool = False, speculative_config: SpeculativeConfig | None = None,
-                 structured_output: Callable[[], StructuredOutputManager] | None = None) -> None:
+                 structured_output: Callable[[], StructuredOutputManager] | None = None,
+                 kv_connector: KVConnectorBase | None = None) -> None:
         self.config = scheduler_config
         # structured outputs: made on the first request that asks (the tokenizer, xgrammar)
         self._make_structured_output = structured_output
@@ -71,6 +73,12 @@ class Scheduler:
         self.num_preemptions = 0
         self.finished_req_ids: list[str] = []  # not yet told to the workers
         self.events: list[RequestEvent] | None = [] if log_events else None
+        # PD disaggregation (kv_transfer/): prompt tokens other engines computed come in as blocks
+        self.connector = kv_connector
+        self.kv_transfer_stats = KVTransferStats() if kv_connector is not None else None
+        if kv_connector is not None:
+            kv_connector.get_block_ids = self.kv.get_block_ids
+        self.num_prompt_tokens_computed = 0  # here, not found in the prefix cache nor transferred
 
     # -- queue ---------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -91,7 +99,9 @@ class Scheduler:
     def make_stats(self) -> SchedulerStats:
         return SchedulerStats(len(self.running), len(self.waiting), self.kv.usage,
                               self.kv.stats.queries, self.kv.stats.hits, self.num_preemptions,
-                              self.spec_stats.copy() if self.spec_stats else None)
+                              self.spec_stats.copy() if self.spec_stats else None,
+                              prompt_tokens_computed=self.num_prompt_tokens_computed,
+                              kv_transfer=self.kv_transfer_stats.copy() if self.kv_transfer_stats else None)
 
     def drain_events(self) -> list[RequestEvent]:
         out, self.events = self.events or [], [] if self.events is not None else None
@@ -140,6 +150,7 @@ class Scheduler:
                 break
             self._add_cached(cached, req, new_blocks, resumed=False)
             out.num_scheduled_tokens[req.request_id] = n
+            self._count_prompt_tokens(req, n)
             if drafts:
                 out.scheduled_spec_decode_tokens[req.request_id] = drafts
             if log:
@@ -155,15 +166,21 @@ class Scheduler:
             if self.structured_output is not None and not self.structured_output.ready(req.request_id):
                 compiling.append(self.waiting.popleft())
                 continue
-            hit, n_hit = None, 0
+            hit, n_hit, n_ext = None, 0, 0
             t_lookup = time.monotonic() if log else 0.0
             if req.num_computed_tokens == 0:
                 hit, n_hit = self.kv.get_computed_blocks(req)  # step 16
-            n = min(req.num_tokens - req.num_computed_tokens - n_hit, budget)
+                if self.connector is not None:  # tokens another engine computed (step 55)
+                    n_ext = self.connector.get_num_new_matched_tokens(req, n_hit)[0] or 0
+            n = min(req.num_tokens - req.num_computed_tokens - n_hit - n_ext, budget)
             t_alloc = time.monotonic() if log else 0.0
-            new_blocks = self.kv.allocate_slots(req, n, hit, self._lookahead(req.num_computed_tokens + n_hit + n))
+            new_blocks = self.kv.allocate_slots(req, n_ext + n, hit,
+                                                self._lookahead(req.num_computed_tokens + n_hit + n_ext + n),
+                                                num_skipped_tokens=req.num_computed_tokens + n_hit + n_ext)
             if new_blocks is None:
                 break
+            if self.connector is not None:
+                self.connector.update_state_after_alloc(req, self.kv.get_block_ids(req.request_id), n_ext)
             if log:
                 self._event(Step.KV_PREFIX_LOOKUP, t_lookup, t_alloc, req, hit_tokens=n_hit,
                             hit_blocks=hit.num_blocks if hit else 0, prompt_tokens=req.num_prompt_tokens,
@@ -176,7 +193,7 @@ class Scheduler:
             self.waiting.popleft()
             if self.kv.enable_caching:
                 self.kv.record_prefix_lookup(req.num_tokens, n_hit)
-            req.num_computed_tokens += n_hit
+            req.num_computed_tokens += n_hit + n_ext
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = n_hit
             resumed = req.status == RequestStatus.PREEMPTED
@@ -191,6 +208,7 @@ class Scheduler:
                     req.request_id, req.prompt_token_ids, req.sampling_params,
                     self.kv.get_block_ids(req.request_id), req.num_computed_tokens))
             out.num_scheduled_tokens[req.request_id] = n
+            self._count_prompt_tokens(req, n)
             budget -= n
         self.waiting.extendleft(reversed(compiling))
         if deferred:
@@ -204,7 +222,12 @@ class Scheduler:
             self._grammar_bitmask(out)
         if not out.is_empty:  # else they wait for a step the workers run
             out.finished_req_ids, self.finished_req_ids = self.finished_req_ids, []
+            if self.connector is not None:
+                out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
+
+    def _count_prompt_tokens(self, req: Request, n: int) -> None:
+        self.num_prompt_tokens_computed += max(0, min(n, req.num_prompt_tokens - req.num_computed_tokens))
 
     def _schedule_deferred(self, out: SchedulerOutput, deferred: list[Request], budget: int) -> None:
         """prefill-first: the decodes put off for the prompts, with the budget left, in running
@@ -228,6 +251,7 @@ class Scheduler:
                 break
             self._add_cached(out.scheduled_cached_reqs, req, new_blocks, resumed=False)
             out.num_scheduled_tokens[req.request_id] = n
+            self._count_prompt_tokens(req, n)
             if drafts:
                 out.scheduled_spec_decode_tokens[req.request_id] = drafts
             if self.events is not None:
@@ -297,6 +321,9 @@ class Scheduler:
     # -- step 36 / 41: apply the model's output --------------------------------
     def update_from_output(self, sched: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
+        if (kv_out := runner_output.kv_connector_output) is not None:
+            self.connector.update_connector_output(kv_out)
+            self.kv_transfer_stats.add(kv_out)
         index = runner_output.req_id_to_index
         for rid, n in sched.num_scheduled_tokens.items():
             req = self.requests.get(rid)
@@ -387,6 +414,8 @@ class Scheduler:
         t0 = time.monotonic() if log else 0.0
         req.status = status
         blocks = self.kv.num_blocks_held(req.request_id) if log else 0
+        if self.connector is not None:
+            self.connector.request_finished(req, self.kv.get_block_ids(req.request_id))
         self.kv.free(req)  # step 52
         if self.structured_output is not None:
             self.structured_output.finish(req.request_id)

@@ -53,6 +53,8 @@ class SchedulerOutput:
     # array: the tokens each constrained request that samples this step may sample)
     structured_output_request_ids: dict[str, int] = field(default_factory=dict)
     grammar_bitmask: Any = None
+    # PD disaggregation: what the workers' KV connector loads and saves this step (its own data class)
+    kv_connector_metadata: Any = None
 
     @property
     def is_empty(self) -> bool:

@@ -45,11 +45,16 @@ class SingleTypeKVCacheManager:
 
     # -- allocation -------------------------------------------------------------
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
-                                   new_computed_blocks: list[KVCacheBlock]) -> int:
+                                   new_computed_blocks: list[KVCacheBlock], num_skipped_tokens: int = 0) -> int:
         """Blocks to take from the free queue: new ones, and cached hits that sit in it."""
         have = len(self.req_to_blocks.get(request_id, ())) + len(new_computed_blocks)
+        have = max(have, self._num_skipped_blocks(num_skipped_tokens))
         return (max(self._num_blocks_for(num_tokens) - have, 0)
                 + sum(1 for b in self._held(new_computed_blocks) if b.ref_cnt == 0))
+
+    def _num_skipped_blocks(self, num_skipped_tokens: int) -> int:
+        """Leading blocks of computed tokens this group need not hold (only a window has any)."""
+        return 0
 
     def save_new_computed_blocks(self, request_id: str, blocks: list[KVCacheBlock]) -> None:
         table = self.req_to_blocks.setdefault(request_id, [])
@@ -58,8 +63,12 @@ class SingleTypeKVCacheManager:
             table.extend(blocks)
             self.num_cached_block[request_id] = len(table)
 
-    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
+    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_skipped_tokens: int = 0
+                            ) -> list[KVCacheBlock]:
         table = self.req_to_blocks.setdefault(request_id, [])
+        skipped = self._num_skipped_blocks(num_skipped_tokens)
+        if len(table) < skipped:  # transferred tokens outside the window: null blocks, never slots
+            table.extend([self.pool.null_block] * (skipped - len(table)))
         new = self.pool.get_new_blocks(max(self._num_blocks_for(num_tokens) - len(table), 0))
         table.extend(new)
         return new
@@ -115,6 +124,9 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         """Index of the first block the query at position ``num_computed`` can see."""
         return max(0, num_computed - self.window + 1) // self.block_size
 
+    def _num_skipped_blocks(self, num_skipped_tokens: int) -> int:
+        return self.first_needed(num_skipped_tokens) if num_skipped_tokens else 0
+
     def find_longest_cache_hit(self, block_hashes: list[bytes], max_num_blocks: int
                                ) -> tuple[int, list[KVCacheBlock]]:
         """A hit of n blocks needs only the blocks the next query's window sees (the
@@ -149,10 +161,11 @@ class RunningStateManager(SingleTypeKVCacheManager):
         return max_num_blocks, []
 
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,
-                                   new_computed_blocks: list[KVCacheBlock]) -> int:
+                                   new_computed_blocks: list[KVCacheBlock], num_skipped_tokens: int = 0) -> int:
         return 0 if self.req_to_blocks.get(request_id) else 1
 
-    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
+    def allocate_new_blocks(self, request_id: str, num_tokens: int, num_skipped_tokens: int = 0
+                            ) -> list[KVCacheBlock]:
         table = self.req_to_blocks.setdefault(request_id, [])
         if table:
             return []

@@ -90,7 +90,8 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler_config, kv, cc.enable_prefix_caching,
                                    config.model_config.eos_token_ids, log_events=tracer.enabled,
                                    speculative_config=config.speculative_config,
-                                   structured_output=self._structured_output_manager)
+                                   structured_output=self._structured_output_manager,
+                                   kv_connector=self._kv_connector(kv))
         self.kv_cache_bytes = kv.total_bytes
         self.eplb_stats = None  # the workers' latest EPLB figures (--enable-eplb)
         # what start-up made (modules, weights' wrappers, the tokenizer) lives as long as the
@@ -112,6 +113,18 @@ class EngineCore:
                     kv.num_blocks[0] - 1, kv.block_size, (kv.num_blocks[0] - 1) * kv.block_size, others,
                     self.kv_cache_bytes / 2**20, cc.budget_bytes() / 2**20,
                     "on" if cc.enable_prefix_caching else "off", self.init_s)
+
+    def _kv_connector(self, kv):
+        """The scheduler's half of the KV connector (--kv-transfer-config), or None."""
+        ktc = self.config.kv_transfer_config
+        if ktc is None:
+            return None
+        from lane.kv_transfer.base import KVConnectorRole, layout_of
+        from lane.kv_transfer.factory import create_connector
+
+        mc, pc = self.config.model_config, self.config.parallel_config
+        return create_connector(ktc, KVConnectorRole.SCHEDULER, kv,
+                                layout_of((mc.architectures or ["?"])[0], mc.dtype, kv), 0, pc.world_size)
 
     def _structured_output_manager(self):
         """Made when the first request with structured outputs arrives; it loads the tokenizer
@@ -287,10 +300,11 @@ class EngineCoreProc:
             config.cache_config.enable_prefix_caching, self.core.executor.threads,
             tracer.drain() if tracer.enabled else None,
             skipped_steps(config.model_config.hf_config, config.parallel_config.tensor_parallel_size,
-                          config.speculative_config is not None, eplb=config.parallel_config.enable_eplb)
+                          config.speculative_config is not None, config.kv_transfer_config is not None,
+                          eplb=config.parallel_config.enable_eplb)
             if tracer.enabled else None,
-            occasional_steps(config.parallel_config.eplb_config if config.parallel_config.enable_eplb else None)
-            if tracer.enabled else None))
+            occasional_steps(config.parallel_config.eplb_config if config.parallel_config.enable_eplb else None,
+                             config.kv_transfer_config) if tracer.enabled else None))
         self._last_stats: SchedulerStats | None = None
         # Fault injection, for tests only: LANE_FAULT_INJECT=step:N makes this process's N-th
         # step raise (a ValueError, the kind a bad configuration also raises at start-up), so

@@ -33,7 +33,7 @@ class LLM:
                  master_addr: str = "127.0.0.1", master_port: int = 29500, worker_timeout: float = 60.0,
                  speculative_config: dict | str | None = None, device: str | None = None,
                  rpc_secret_file: str | None = None, enable_eplb: bool = False,
-                 eplb_config: dict | str | None = None) -> None:
+                 eplb_config: dict | str | None = None, kv_transfer_config: dict | str | None = None) -> None:
         if data_parallel_size != 1:
             raise ValueError(f"data_parallel_size {data_parallel_size}: offline LLM runs one replica; "
                              f"serve replicas with lane serve --data-parallel-size")
@@ -46,7 +46,8 @@ class LLM:
                           distributed_executor_backend=distributed_executor_backend, nnodes=nnodes,
                           master_addr=master_addr, master_port=master_port, worker_timeout=worker_timeout,
                           speculative_config=speculative_config, device=device, rpc_secret_file=rpc_secret_file,
-                          enable_eplb=enable_eplb, eplb_config=eplb_config)
+                          enable_eplb=enable_eplb, eplb_config=eplb_config,
+                          kv_transfer_config=kv_transfer_config)
         start_cpu_kernel_build()
         self.config = args.create_engine_config()
         self.tokenizer = self.config.model_config.get_tokenizer()

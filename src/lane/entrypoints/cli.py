@@ -55,6 +55,10 @@ def add_engine_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
     g.add_argument("--kv-cache-memory-bytes", type=parse_bytes, default=None,
                    help="KV cache budget (default: a quarter of free RAM, at most 4 GiB)")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--kv-transfer-config", default=None, metavar="JSON",
+                   help='prefill/decode disaggregation: the KV connector and this engine\'s role, e.g. '
+                        '\'{"kv_connector": "ExampleConnector", "kv_role": "kv_both", '
+                        '"kv_connector_extra_config": {"shared_storage_path": "/tmp/lane-kv"}}\'')
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' '
                         'or \'{"method": "mtp", "num_speculative_tokens": 2}\'')
@@ -109,6 +113,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
                 worker_timeout=args.worker_timeout, speculative_config=args.speculative_config,
                 enable_eplb=args.enable_eplb, eplb_config=args.eplb_config,
+                kv_transfer_config=args.kv_transfer_config,
                 device=None if args.device == "auto" else args.device, rpc_secret_file=args.rpc_secret_file)
 
 
@@ -194,7 +199,7 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import asyncio
 
     from lane import platform
-    from lane.config import EngineArgsError, SpeculativeConfig
+    from lane.config import EngineArgsError, KVTransferConfig, SpeculativeConfig
     from lane.entrypoints.api_server import serve
 
     if not 0 < args.port < 65536:
@@ -210,6 +215,7 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         pc = eargs.create_parallel_config()
         platform.check_device(eargs.device)
         SpeculativeConfig.parse(eargs.speculative_config)  # its syntax now; what the model allows at start
+        KVTransferConfig.parse(eargs.kv_transfer_config)
     except (ValueError, FileNotFoundError, TypeError) as e:
         parser.error(str(e))
     if args.headless != (pc.node_rank > 0):

@@ -97,6 +97,17 @@ class PrometheusStatLogger:
                                       "Time of each EPLB rearrangement: heat gathered, placement, weights moved.",
                                       EPLB_SECONDS_BUCKETS)
         self.eplb_moved_bytes = counter("lane:eplb_moved_bytes", "Expert weight bytes EPLB sent between ranks.")
+        # PD disaggregation (--kv-transfer-config), and what any engine computed of its prompts
+        self.prompt_tokens_computed = counter("lane:prompt_tokens_computed",
+                                              "Prompt tokens this engine computed: not found in the prefix cache "
+                                              "nor transferred from another engine.")
+        self.kv_transfer_bytes = counter("lane:kv_transfer_bytes", "KV cache bytes moved between engines.")
+        self.kv_transfer_seconds = histogram("lane:kv_transfer_seconds", "Time of each step's KV transfers.",
+                                             EPLB_SECONDS_BUCKETS)
+        self.kv_transfer_failures = counter("lane:kv_transfer_failures",
+                                            "Requests whose KV cache could not be transferred.")
+        self.kv_transfer_expired = counter("lane:kv_transfer_expired_requests",
+                                           "Requests whose KV cache no engine pulled before the timeout.")
         self.cache_config_info = Gauge(
             "vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
             ["model_name", "engine", "block_size", "num_gpu_blocks", "enable_prefix_caching",
@@ -106,7 +117,8 @@ class PrometheusStatLogger:
         for i in range(num_engines):  # every series exists from the start (dashboards want zeros)
             lv = (model_name, str(i))
             for metric in (self.running, self.waiting, self.kv_usage, self.prefix_queries, self.prefix_hits,
-                           self.preemptions, self.refused, self.prompt_tokens, self.generation_tokens):
+                           self.preemptions, self.refused, self.prompt_tokens, self.generation_tokens,
+                           self.prompt_tokens_computed):
                 metric.labels(*lv)
             for reason in FINISH_REASONS:
                 self.request_success.labels(*lv, reason)
@@ -143,6 +155,9 @@ class PrometheusStatLogger:
                     self.spec_accepted_per_pos.labels(*lv, str(pos)).inc(n)
             if s.eplb is not None:
                 self._record_eplb(lv, s.eplb, last.eplb)
+            self.prompt_tokens_computed.labels(*lv).inc(max(s.prompt_tokens_computed - last.prompt_tokens_computed, 0))
+            if s.kv_transfer is not None:
+                self._record_kv_transfer(lv, s.kv_transfer, last.kv_transfer)
             self._last[engine_index] = s
         if iteration_stats is None:
             return
@@ -174,6 +189,14 @@ class PrometheusStatLogger:
         self.eplb_moved_bytes.labels(*lv).inc(max(e.moved_bytes - (last.moved_bytes if last else 0), 0))
         for seconds in e.rearrangement_seconds[len(last.rearrangement_seconds) if last else 0:]:
             self.eplb_seconds.labels(*lv).observe(seconds)
+
+
+    def _record_kv_transfer(self, lv: tuple, k, last) -> None:
+        self.kv_transfer_bytes.labels(*lv).inc(max(k.bytes - (last.bytes if last else 0), 0))
+        self.kv_transfer_failures.labels(*lv).inc(max(k.failures - (last.failures if last else 0), 0))
+        self.kv_transfer_expired.labels(*lv).inc(max(k.expired - (last.expired if last else 0), 0))
+        for seconds in k.new_seconds(last):
+            self.kv_transfer_seconds.labels(*lv).observe(seconds)
 
 
 class LoggingStatLogger:

@@ -21,6 +21,34 @@ class SchedulerStats:
     num_preemptions: int = 0
     spec_decoding: "SpecDecodingStats | None" = None  # with speculative decoding
     eplb: "EplbStats | None" = None  # with --enable-eplb
+    prompt_tokens_computed: int = 0  # cumulative: prompt tokens this engine computed (no hit, no transfer)
+    kv_transfer: "KVTransferStats | None" = None  # with --kv-transfer-config
+
+
+@dataclass
+class KVTransferStats:
+    """PD disaggregation's transfers on this engine (cumulative, rank 0's view)."""
+    bytes: int = 0  # KV bytes sent and received
+    transfers: int = 0  # steps that moved KV
+    recent_seconds: list[float] = field(default_factory=list)  # the last steps' transfer times (at most 64)
+    failures: int = 0  # requests whose KV could not arrive
+    expired: int = 0  # requests whose KV nobody pulled before the timeout
+
+    def add(self, out) -> None:
+        """One step's KVConnectorOutput."""
+        self.bytes += out.bytes_sent + out.bytes_received
+        if out.bytes_sent or out.bytes_received:
+            self.transfers += 1
+            self.recent_seconds = self.recent_seconds[-63:] + [out.seconds]
+        self.failures += len(out.failed)
+
+    def new_seconds(self, last: "KVTransferStats | None") -> list[float]:
+        """The transfer times recorded since ``last`` (those still among the recent ones)."""
+        n = self.transfers - (last.transfers if last else 0)
+        return self.recent_seconds[-n:] if n > 0 else []
+
+    def copy(self) -> "KVTransferStats":
+        return KVTransferStats(self.bytes, self.transfers, list(self.recent_seconds), self.failures, self.expired)
 
 
 @dataclass

@@ -129,9 +129,12 @@ def skipped_steps(hf_config, tensor_parallel_size: int = 1, speculative: bool = 
 
 
 
-def occasional_steps(eplb_config=None) -> dict[int, str]:
+def occasional_steps(eplb_config=None, kv_transfer_config=None) -> dict[int, str]:
     """Background steps that run every so often, and why a request's trace may hold none."""
     out: dict[int, str] = {}
+    if kv_transfer_config is not None:
+        out[Step.KV_TRANSFER] = (f"{kv_transfer_config.kv_connector} moved no KV for this request (a prompt of a "
+                                 f"block or less, or none stored for it)")
     if eplb_config is not None:
         n = eplb_config.step_interval
         out[Step.EPLB_COLLECT] = f"EPLB collects expert heat every {n} engine steps; none while this request ran"

@@ -44,7 +44,7 @@ class TraceStore:
         t0 = min(s.start for s in spans)
         t1 = max(s.start + s.dur for s in spans)
         background = [s for s in self.background if t0 <= s.start <= t1]
-        ran = {s.step for s in background}
+        ran = {s.step for s in background} | {s.step for s in spans}
         reasons = {**{k: v for k, v in self.occasional.items() if k not in ran}, **self.skipped}
         skipped = [Span(step, t0, 0.0, None, {}, 0, reason) for step, reason in sorted(reasons.items())]
         return {"request_id": request_id, "spans": [span_dict(s) for s in

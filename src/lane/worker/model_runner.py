@@ -60,6 +60,7 @@ class ModelRunner:
         self.kv_cache_config: KVCacheConfig | None = None
         self.kv_caches: dict[str, torch.Tensor] = {}
         self.input_batch = InputBatch()
+        self.connector = None  # the KV connector's worker half (PD disaggregation), set by the Worker
         self._state_groups: list[int] = []  # running-state KV cache groups
         self._verify_as_decodes = False
         # speculative decoding (steps 45-47): drafts come from here, with the sampled tokens
@@ -181,12 +182,16 @@ class ModelRunner:
                           decodes=nd, prefill_chunks=len(batch) - nd)
             t_forward = time.monotonic()
             prof.begin()
+        if self.connector is not None:  # step 55: blocks another engine computed, before they are read
+            self.connector.bind_connector_metadata(so.kv_connector_metadata)
+            self.connector.start_load_kv()
         with set_forward_context(md):
             hidden = self.model(input_ids, positions)
+        kv_out = self._save_kv(so) if self.connector is not None else None
         if not sample_rows and self.mtp is None:
             if prof:
                 prof.emit(ids, self.num_layers, self.attention_attrs)
-            return ModelRunnerOutput()
+            return ModelRunnerOutput(kv_connector_output=kv_out)
         logits = self.model.compute_logits(hidden[sample_rows]) if sample_rows else None  # step 32
         if prof:
             prof.mark(Step.MODEL_LM_HEAD)
@@ -218,7 +223,14 @@ class ModelRunner:
         drafts = self._propose(batch, sampling, tokens, hidden) if self.spec else None
         return ModelRunnerOutput([s.state.req_id for s in sampling], tokens,
                                  logprobs if any(lp is not None for lp in logprobs) else None,
-                                 drafts)
+                                 drafts, kv_connector_output=kv_out)
+
+    def _save_kv(self, so: SchedulerOutput):
+        """After the forward: the connector's saves, and what its transfers finished."""
+        self.connector.wait_for_save()
+        out = self.connector.take_output(set(so.finished_req_ids))
+        self.connector.bind_connector_metadata(None)
+        return out
 
     # -- speculative decoding ---------------------------------------------------------
     def _verify(self, logits: torch.Tensor, sampling: list[ScheduledRequest], so: SchedulerOutput

@@ -125,6 +125,17 @@ class Worker:
         budget (unless a config is given: another worker's, to match), allocate them."""
         kv_cache_config = kv_cache_config or self.determine_kv_cache_config()
         self.runner.initialize_kv_cache(kv_cache_config)
+        ktc = self.config.kv_transfer_config
+        if ktc is not None:  # the worker's half of the KV connector, on this rank's cache tensors
+            from lane.kv_transfer.base import KVConnectorRole, layout_of
+            from lane.kv_transfer.factory import create_connector
+
+            mc = self.config.model_config
+            connector = create_connector(ktc, KVConnectorRole.WORKER, kv_cache_config,
+                                         layout_of((mc.architectures or ["?"])[0], mc.dtype, kv_cache_config),
+                                         self.rank, self.config.parallel_config.world_size)
+            connector.register_kv_caches(self.runner.kv_caches)
+            self.runner.connector = connector
         return kv_cache_config
 
     def weight_bytes(self) -> int:

@@ -1,0 +1,139 @@
+"""The KV connector API, as vLLM v1 names it (``kv_connector/v1/base.py``), ours.
+
+A connector has two halves that never share memory: the scheduler's (in the engine core) decides
+which requests load or save KV and puts that in the ``SchedulerOutput`` as data
+(``KVConnectorMetadata``); the worker's (in every rank) does the loading and saving on its own
+cache tensors, and reports requests whose transfers finished in the ``ModelRunnerOutput``.
+
+Scheduler side:
+- ``get_num_new_matched_tokens(request, num_computed_tokens) -> (int | None, load_async)``: prompt
+  tokens past the local prefix hit whose KV the connector can supply (None: ask again later);
+  ``load_async``: they arrive over the next steps (the request waits in WAITING_FOR_REMOTE_KVS).
+- ``update_state_after_alloc(request, block_ids, num_external_tokens)``: the blocks they go into.
+- ``build_connector_meta(scheduler_output) -> KVConnectorMetadata``: this step's work.
+- ``update_connector_output(kv_connector_output)``: what the workers finished.
+- ``request_finished(request, block_ids) -> (delay_free, kv_transfer_params)``: keep the blocks
+  (another engine still pulls them) and what the next engine needs to find them.
+
+Worker side: ``register_kv_caches``, ``start_load_kv``, ``wait_for_layer_load``,
+``save_kv_layer``, ``wait_for_save``, ``get_finished(finished_req_ids) -> (done_sending,
+done_recving)``.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from lane.config import KVTransferConfig
+    from lane.core.request import Request
+    from lane.core.scheduler_output import SchedulerOutput
+    from lane.kv_cache_interface import KVCacheConfig
+
+
+class KVConnectorRole(enum.Enum):
+    SCHEDULER = "scheduler"
+    WORKER = "worker"
+
+
+@dataclass
+class KVConnectorMetadata:
+    """What the scheduler half tells the worker half for one step (plain data)."""
+
+
+@dataclass
+class KVConnectorOutput:
+    """What the workers report back (rank 0's, every rank does the same work)."""
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    seconds: float = 0.0  # transfer time this step
+    failed: dict[str, str] = field(default_factory=dict)  # req id -> why its KV could not arrive
+
+
+@dataclass
+class LayoutInfo:
+    """What must match between two engines for KV blocks to move between them as they are."""
+    architecture: str
+    block_size: int
+    dtype: str
+    tensors: dict[str, tuple]  # cache tensor name -> one block's shape
+
+
+class KVConnectorBase:
+    def __init__(self, config: "KVTransferConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig",
+                 layout: LayoutInfo, rank: int = 0, tp_size: int = 1) -> None:
+        self.config, self.role = config, role
+        self.kv_cache_config = kv_cache_config
+        self.block_size = kv_cache_config.block_size
+        self.layout = layout
+        self.rank, self.tp_size = rank, tp_size
+        self._meta: KVConnectorMetadata | None = None
+        self.kv_caches: dict[str, "torch.Tensor"] = {}
+        self.group_of: dict[str, int] = {}  # cache tensor name -> its KV cache group
+        self.stats = KVConnectorOutput()  # this step's transfers (worker side)
+
+    # -- scheduler side --------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        return 0, False
+
+    def update_state_after_alloc(self, request: "Request", block_ids: tuple[list[int], ...],
+                                 num_external_tokens: int) -> None:
+        pass
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        return KVConnectorMetadata()
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        pass
+
+    def request_finished(self, request: "Request", block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
+        return False, None
+
+    # -- worker side -----------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
+        self.kv_caches = kv_caches
+        for g, group in enumerate(self.kv_cache_config.groups):
+            for name in group.layer_names:
+                self.group_of[name] = g
+
+    def bind_connector_metadata(self, meta: KVConnectorMetadata | None) -> None:
+        self._meta = meta
+
+    def start_load_kv(self) -> None:
+        """Before the forward: start (here: do) every load this step's metadata asks for."""
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Before a layer reads its cache (loads are whole before the forward here: nothing)."""
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        """After a layer wrote its cache (saves happen whole after the forward here: nothing)."""
+
+    def wait_for_save(self) -> KVConnectorOutput:
+        """After the forward: every save this step's metadata asks for, done."""
+        return KVConnectorOutput()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        return set(), set()
+
+    def take_output(self, finished_req_ids: set[str]) -> KVConnectorOutput | None:
+        """After a step: what finished and what moved since the last call (None: nothing)."""
+        sending, recving = self.get_finished(finished_req_ids)
+        out, self.stats = self.stats, KVConnectorOutput()
+        out.finished_sending |= sending
+        out.finished_recving |= recving
+        busy = out.finished_sending or out.finished_recving or out.bytes_sent or out.bytes_received or out.failed
+        return out if busy else None
+
+    def shutdown(self) -> None:
+        pass
+
+
+def layout_of(architecture: str, dtype, kv_cache_config: "KVCacheConfig") -> LayoutInfo:
+    return LayoutInfo(architecture, kv_cache_config.block_size, str(dtype).removeprefix("torch."),
+                      {name: tuple(spec.shape) for g in kv_cache_config.groups
+                       for name, spec in zip(g.layer_names, g.specs)})

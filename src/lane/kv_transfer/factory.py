@@ -1,0 +1,15 @@
+"""The connector ``--kv-transfer-config`` names (vLLM's ``KVConnectorFactory``)."""
+from __future__ import annotations
+
+import importlib
+
+from lane.kv_transfer.base import KVConnectorBase
+
+CONNECTORS = {
+    "ExampleConnector": "lane.kv_transfer.example_connector:ExampleConnector",
+}
+
+
+def create_connector(config, *args, **kwargs) -> KVConnectorBase:
+    module, _, cls = CONNECTORS[config.kv_connector].partition(":")
+    return getattr(importlib.import_module(module), cls)(config, *args, **kwargs)
