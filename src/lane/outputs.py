@@ -43,6 +43,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    kv_transfer_params: dict | None = None  # PD disaggregation: for the engine that goes on with it
 
 
 @dataclass

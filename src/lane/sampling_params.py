@@ -76,6 +76,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's extra_args: {"kv_transfer_params": {...}} is what PD disaggregation's connectors read
+    extra_args: dict | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -57,10 +57,13 @@ class KVCacheCoordinator:
             new.append(m.allocate_new_blocks(request_id, num_tokens, num_skipped_tokens))
         return KVCacheBlocks(tuple(new))
 
-    def cache_blocks(self, request_id: str, block_hashes: list[bytes], num_computed_tokens: int) -> None:
+    def cache_blocks(self, request_id: str, block_hashes: list[bytes], num_computed_tokens: int,
+                     window_from: int | None = None) -> None:
+        """Register full blocks; release the window blocks the query at ``window_from`` (default:
+        the next one) no longer sees."""
         for m in self.managers:
             m.cache_blocks(request_id, block_hashes, num_computed_tokens // m.block_size)
-            m.remove_skipped_blocks(request_id, num_computed_tokens)
+            m.remove_skipped_blocks(request_id, num_computed_tokens if window_from is None else window_from)
 
     def free_tail(self, request_id: str, num_tokens: int) -> int:
         return sum(m.free_tail(request_id, num_tokens) for m in self.managers)

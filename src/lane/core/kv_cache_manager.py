@@ -67,7 +67,10 @@ class KVCacheManager:
         blocks no future query can see."""
         if self.enable_caching:
             self.update_block_hashes(req)
-        self.coordinator.cache_blocks(req.request_id, req.block_hashes, req.num_computed_tokens)
+        # a request handing its KV to a decode engine keeps the window its last prompt token saw:
+        # the decode engine computes that token again from there
+        window_from = req.num_computed_tokens - 1 if req.hands_over_kv else req.num_computed_tokens
+        self.coordinator.cache_blocks(req.request_id, req.block_hashes, req.num_computed_tokens, window_from)
 
     def free_unused_slots(self, req: Request, num_tokens: int) -> int:
         """Step 48: give back the request's blocks past its first ``num_tokens`` tokens

@@ -12,9 +12,10 @@ class RequestStatus(enum.IntEnum):
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2
-    FINISHED_STOPPED = 3
-    FINISHED_LENGTH_CAPPED = 4
-    FINISHED_ABORTED = 5
+    WAITING_FOR_REMOTE_KVS = 3  # admitted with blocks; another engine's KV is arriving in them
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH_CAPPED = 5
+    FINISHED_ABORTED = 6
 
     @property
     def finished(self) -> bool:
@@ -53,9 +54,22 @@ class Request:
     # all_token_ids, whose tokens are all verified
     spec_token_ids: list[int] = field(default_factory=list)
     blocks_trimmed: bool = False  # blocks given back since the workers last saw its tables
+    kv_state_arrived: bool = False  # another engine sent its running state (it resumes from it, not anew)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def kv_transfer_params(self) -> dict | None:
+        """PD disaggregation: what the other engine said of this request's KV (or asks of it)."""
+        extra = self.sampling_params.extra_args
+        return extra.get("kv_transfer_params") if extra else None
+
+    @property
+    def hands_over_kv(self) -> bool:
+        """A prefill engine's request whose KV a decode engine pulls (do_remote_decode)."""
+        params = self.kv_transfer_params
+        return bool(params and params.get("do_remote_decode"))
 
     @property
     def num_prompt_tokens(self) -> int:

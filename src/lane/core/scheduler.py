@@ -79,6 +79,9 @@ class Scheduler:
         if kv_connector is not None:
             kv_connector.get_block_ids = self.kv.get_block_ids
         self.num_prompt_tokens_computed = 0  # here, not found in the prefix cache nor transferred
+        self.delayed_free: dict[str, Request] = {}  # finished, their blocks kept for another engine to pull
+        # admitted, their blocks filling from another engine: request id -> (request, tokens arriving)
+        self.waiting_for_remote: dict[str, tuple[Request, int]] = {}
 
     # -- queue ---------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -166,14 +169,17 @@ class Scheduler:
             if self.structured_output is not None and not self.structured_output.ready(req.request_id):
                 compiling.append(self.waiting.popleft())
                 continue
-            hit, n_hit, n_ext = None, 0, 0
+            hit, n_hit, n_ext, load_async = None, 0, 0, False
             t_lookup = time.monotonic() if log else 0.0
             if req.num_computed_tokens == 0:
                 hit, n_hit = self.kv.get_computed_blocks(req)  # step 16
                 if self.connector is not None:  # tokens another engine computed (step 55)
-                    n_ext = self.connector.get_num_new_matched_tokens(req, n_hit)[0] or 0
+                    n_ext, load_async = self.connector.get_num_new_matched_tokens(req, n_hit)
+                    n_ext = n_ext or 0
             n = min(req.num_tokens - req.num_computed_tokens - n_hit - n_ext, budget)
             t_alloc = time.monotonic() if log else 0.0
+            if load_async and n_ext:  # blocks for what arrives; it computes nothing until then
+                n = 0
             new_blocks = self.kv.allocate_slots(req, n_ext + n, hit,
                                                 self._lookahead(req.num_computed_tokens + n_hit + n_ext + n),
                                                 num_skipped_tokens=req.num_computed_tokens + n_hit + n_ext)
@@ -181,6 +187,14 @@ class Scheduler:
                 break
             if self.connector is not None:
                 self.connector.update_state_after_alloc(req, self.kv.get_block_ids(req.request_id), n_ext)
+            if load_async and n_ext:
+                self.waiting.popleft()
+                if self.kv.enable_caching:
+                    self.kv.record_prefix_lookup(req.num_tokens, n_hit)
+                req.num_computed_tokens += n_hit
+                req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                self.waiting_for_remote[req.request_id] = (req, n_ext)
+                continue
             if log:
                 self._event(Step.KV_PREFIX_LOOKUP, t_lookup, t_alloc, req, hit_tokens=n_hit,
                             hit_blocks=hit.num_blocks if hit else 0, prompt_tokens=req.num_prompt_tokens,
@@ -206,7 +220,7 @@ class Scheduler:
             else:
                 out.scheduled_new_reqs.append(NewRequestData(
                     req.request_id, req.prompt_token_ids, req.sampling_params,
-                    self.kv.get_block_ids(req.request_id), req.num_computed_tokens))
+                    self.kv.get_block_ids(req.request_id), req.num_computed_tokens, req.kv_state_arrived))
             out.num_scheduled_tokens[req.request_id] = n
             self._count_prompt_tokens(req, n)
             budget -= n
@@ -225,6 +239,49 @@ class Scheduler:
             if self.connector is not None:
                 out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
+
+    def has_connector_work(self) -> bool:
+        """Transfers under way: blocks kept for another engine, requests waiting for theirs."""
+        return self.connector is not None and bool(self.delayed_free or self.waiting_for_remote
+                                                   or self.connector.has_pending_meta())
+
+    def connector_step(self) -> SchedulerOutput:
+        """A step with no tokens to compute that carries the connector's work to the workers
+        (what they are to serve or stop serving) and brings back what they finished."""
+        for rid in self.connector.take_expired():  # nobody pulled them in time
+            req = self.delayed_free.pop(rid, None)
+            if req is not None:
+                self.kv.free(req)
+                self.kv_transfer_stats.expired += 1
+        out = SchedulerOutput()
+        out.kv_connector_metadata = self.connector.build_connector_meta(out)
+        return out
+
+    def _update_transfers(self, kv_out) -> None:
+        """What the workers' transfers finished: blocks another engine pulled are freed; requests
+        whose KV arrived go back to the front of the queue to compute the rest (or, if it could not
+        arrive, their whole prompt)."""
+        self.connector.update_connector_output(kv_out)
+        self.kv_transfer_stats.add(kv_out)
+        for rid in kv_out.finished_sending:
+            if (req := self.delayed_free.pop(rid, None)) is not None:
+                self.kv.free(req)
+        for rid in kv_out.finished_recving:
+            entry = self.waiting_for_remote.pop(rid, None)
+            if entry is None:
+                continue
+            req, n_ext = entry
+            if req.status.finished:  # aborted while its KV arrived: the blocks are free to go now
+                self.kv.free(req)
+                continue
+            if rid in kv_out.failed:  # recompute: a fresh start, without a pull
+                self.kv.free(req)
+                req.num_computed_tokens = 0
+            else:
+                req.num_computed_tokens += n_ext
+                req.kv_state_arrived = self.connector.moves_running_state
+            req.status = RequestStatus.WAITING
+            self.waiting.appendleft(req)
 
     def _count_prompt_tokens(self, req: Request, n: int) -> None:
         self.num_prompt_tokens_computed += max(0, min(n, req.num_prompt_tokens - req.num_computed_tokens))
@@ -322,8 +379,7 @@ class Scheduler:
     def update_from_output(self, sched: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs: list[EngineCoreOutput] = []
         if (kv_out := runner_output.kv_connector_output) is not None:
-            self.connector.update_connector_output(kv_out)
-            self.kv_transfer_stats.add(kv_out)
+            self._update_transfers(kv_out)
         index = runner_output.req_id_to_index
         for rid, n in sched.num_scheduled_tokens.items():
             req = self.requests.get(rid)
@@ -363,7 +419,7 @@ class Scheduler:
                 out.queued_ts, out.scheduled_ts = req.arrival_time, req.scheduled_ts
             if status is not None:
                 self.running.remove(req)
-                self._finish(req, status)
+                out.kv_transfer_params = self._finish(req, status)
                 out.finish_reason = status.finish_reason
                 out.stop_reason = req.stop_reason
             outputs.append(out)
@@ -407,16 +463,27 @@ class Scheduler:
                 self.running.remove(req)
             elif req in self.waiting:
                 self.waiting.remove(req)
+            elif rid in self.waiting_for_remote:  # its blocks are being written: freed when the pull ends
+                req.status = status
+                del self.requests[rid]
+                continue
             self._finish(req, status)
 
-    def _finish(self, req: Request, status: RequestStatus) -> None:
+    def _finish(self, req: Request, status: RequestStatus) -> dict | None:
+        """Free its blocks (unless the KV connector keeps them for another engine); returns the
+        connector's kv_transfer_params for the next engine."""
         log = self.events is not None
         t0 = time.monotonic() if log else 0.0
         req.status = status
         blocks = self.kv.num_blocks_held(req.request_id) if log else 0
+        params = None
+        delay = False
         if self.connector is not None:
-            self.connector.request_finished(req, self.kv.get_block_ids(req.request_id))
-        self.kv.free(req)  # step 52
+            delay, params = self.connector.request_finished(req, self.kv.get_block_ids(req.request_id))
+        if delay:  # another engine pulls them: freed when it says so, or at the connector's timeout
+            self.delayed_free[req.request_id] = req
+        else:
+            self.kv.free(req)  # step 52
         if self.structured_output is not None:
             self.structured_output.finish(req.request_id)
         del self.requests[req.request_id]
@@ -424,4 +491,6 @@ class Scheduler:
         if log:
             self._event(Step.SCHEDULER_FINISH, t0, t0, req, reason=status.finish_reason,
                         output_tokens=req.num_output_tokens)
-            self._event(Step.KV_FREE, t0, time.monotonic(), req, blocks=blocks, cached=self.kv.enable_caching)
+            self._event(Step.KV_FREE, t0, time.monotonic(), req, blocks=blocks, cached=self.kv.enable_caching,
+                        **({"kept_for_transfer": True} if delay else {}))
+        return params

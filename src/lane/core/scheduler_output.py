@@ -18,6 +18,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: tuple[list[int], ...]  # per group
     num_computed_tokens: int  # prefix-cache hit: tokens whose cache entries exist already
+    state_arrived: bool = False  # PD: another engine sent its running state; it goes on from it
 
 
 @dataclass

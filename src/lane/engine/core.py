@@ -13,6 +13,8 @@ import socket
 import sys
 import threading
 import time
+from dataclasses import asdict, replace
+
 import msgspec
 
 from lane.config import EngineConfig
@@ -123,8 +125,7 @@ class EngineCore:
         from lane.kv_transfer.factory import create_connector
 
         mc, pc = self.config.model_config, self.config.parallel_config
-        return create_connector(ktc, KVConnectorRole.SCHEDULER, kv,
-                                layout_of((mc.architectures or ["?"])[0], mc.dtype, kv), 0, pc.world_size)
+        return create_connector(ktc, KVConnectorRole.SCHEDULER, kv, layout_of(mc, kv), 0, pc.world_size)
 
     def _structured_output_manager(self):
         """Made when the first request with structured outputs arrives; it loads the tokenizer
@@ -174,7 +175,18 @@ class EngineCore:
             tracer.record(e.step, e.start, e.end, [e.request_id], **e.attrs)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self.scheduler.has_connector_work()
+
+    def _idle_step(self) -> list[EngineCoreOutput]:
+        """Nothing to compute: with KV transfers under way, the workers still hear of them and
+        say what finished (a pause between such steps, not a spin)."""
+        if self.scheduler.has_connector_work():
+            so = self.scheduler.connector_step()
+            out = self._execute(so)
+            self.scheduler.update_from_output(so, out)
+            if out.kv_connector_output is None:
+                time.sleep(0.002)
+        return []
 
     def _execute(self, so):
         out = self.executor.execute_model(so)
@@ -195,7 +207,7 @@ class EngineCore:
             return self._logged_step()
         so = self.scheduler.schedule()
         if so.is_empty:
-            return []
+            return self._idle_step()
         return self.scheduler.update_from_output(so, self._execute(so))
 
     def _logged_step(self) -> list[EngineCoreOutput]:
@@ -204,7 +216,7 @@ class EngineCore:
         sched = self.scheduler
         so = sched.schedule()
         if so.is_empty:
-            return []
+            return self._idle_step()
         t1 = time.perf_counter()
         spec = so.scheduled_spec_decode_tokens
         prefill_tokens = prefill_reqs = decode_rows = 0
@@ -231,7 +243,7 @@ class EngineCore:
         t1 = time.monotonic()
         self._record_events()
         if so.is_empty:
-            return []
+            return self._idle_step()
         reqs = self.scheduler.requests
         spec = so.scheduled_spec_decode_tokens
         decode = [rid for rid, n in so.num_scheduled_tokens.items()
@@ -290,6 +302,12 @@ class EngineCoreProc:
         if args.enable_tracing:
             tracer.enable(args.trace_layers)
         start_cpu_kernel_build()
+        if args.kv_transfer_config is not None:  # each data-parallel replica's side channel has its port
+            from lane.config import KVTransferConfig
+
+            ktc = asdict(KVTransferConfig.parse(args.kv_transfer_config))
+            ktc["kv_connector_extra_config"] = {**ktc["kv_connector_extra_config"], "dp_rank": engine_index}
+            args = replace(args, kv_transfer_config=ktc)
         config = args.create_engine_config()
         self.core = EngineCore(config, own_process=True)
         kv = self.core.kv_cache_config

@@ -31,6 +31,7 @@ class EngineCoreOutput:
     # engine-side times (monotonic), sent with a request's first token for the metrics
     queued_ts: float = 0.0
     scheduled_ts: float = 0.0
+    kv_transfer_params: dict | None = None  # PD disaggregation: with the last output, for the next engine
 
 
 @dataclass

@@ -35,6 +35,7 @@ class RequestState:
     children: dict[str, ChildState]
     stream: bool = False  # hand out deltas as they come, else one final output
     num_cached_tokens: int = 0
+    kv_transfer_params: dict | None = None  # the engine's, with the last output
 
     @property
     def finished(self) -> bool:
@@ -104,6 +105,8 @@ class OutputProcessor:
                     to_abort.append(o.request_id)
             elif o.finish_reason is not None:
                 child.finish_reason, child.stop_reason = o.finish_reason, o.stop_reason
+            if o.kv_transfer_params is not None:
+                state.kv_transfer_params = o.kv_transfer_params
             if child.stats is not None and iteration_stats is not None:
                 self._update_stats(child.stats, o, now, iteration_stats, child.finish_reason,
                                    len(state.prompt_token_ids))
@@ -167,7 +170,7 @@ class OutputProcessor:
         done = first.stats.finished if first.stats is not None else None
         metrics = done.timing_ms() if finished and done is not None else {}
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, outs,
-                             finished, state.num_cached_tokens, metrics)
+                             finished, state.num_cached_tokens, metrics, state.kv_transfer_params)
 
     def abort(self, request_id: str, iteration_stats: IterationStats | None = None) -> list[str]:
         """Forget a request; returns its child ids (to abort in the engine). With

@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -144,6 +145,22 @@ async def until_disconnected(raw_request: Request, work: Awaitable):
     return task.result() if not task.cancelled() else None
 
 
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def request_id_of(raw_request: Request) -> str:
+    """The client's X-Request-Id (a proxy sends one id with both legs of a disaggregated request,
+    so the two engines' traces join), else a fresh one. Only letters, digits and ._:- (at most
+    128): it names the request in logs and trace URLs."""
+    given = raw_request.headers.get("x-request-id")
+    if given is None:
+        return uuid.uuid4().hex
+    if not _REQUEST_ID.fullmatch(given):
+        raise APIError(400, "X-Request-Id must be 1-128 letters, digits or ._:- characters", "BadRequestError",
+                       "X-Request-Id")
+    return given
+
+
 def trace_chunk(request_id: str, start: float, index: int, choices: int) -> None:
     """Step 39 (the first SSE chunk with tokens, its text possibly empty) or 50 (a later delta)."""
     if tracer.enabled:
@@ -218,7 +235,10 @@ class OpenAIServing:
             params = [self._params(ids, request, adjust) for _, ids in prompts]
         except ValueError as e:
             raise bad_request(e) from None
-        rid = f"{prefix}-{uuid.uuid4().hex}"
+        rid = f"{prefix}-{request_id_of(raw_request)}"
+        if rid in self.engine.streams:
+            raise APIError(400, f"X-Request-Id {raw_request.headers.get('x-request-id')!r} is already in use by a "
+                                f"request in flight", "BadRequestError", "X-Request-Id")
         # one engine request per prompt
         sub_ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
         if tracer.enabled:  # steps 11 (body parsed and validated) and 12 (tokenised)
@@ -384,7 +404,8 @@ class OpenAIServing:
                     stop_reason=c.stop_reason,
                     logprobs=self._completion_logprobs(c, num_lp, len(echo[i]))
                     if request.logprobs is not None else None))
-        resp = CompletionResponse(id=rid, model=model, choices=choices, usage=self._usage(finals))
+        resp = CompletionResponse(id=rid, model=model, choices=choices, usage=self._usage(finals),
+                                  kv_transfer_params=finals[0].kv_transfer_params if len(finals) == 1 else None)
         return self._respond(resp, request, finals, handles)
 
     async def _stream_completion(self, rid: str, model: str, handles: list[RequestStream], n: int,
@@ -515,7 +536,8 @@ class OpenAIServing:
             choices.append(ChatChoice(index=c.index, message=message, finish_reason=finish,
                                       stop_reason=c.stop_reason,
                                       logprobs=self._chat_logprobs(c, num_lp) if request.logprobs else None))
-        resp = ChatCompletionResponse(id=rid, model=model, choices=choices, usage=self._usage(finals))
+        resp = ChatCompletionResponse(id=rid, model=model, choices=choices, usage=self._usage(finals),
+                                      kv_transfer_params=finals[0].kv_transfer_params)
         return self._respond(resp, request, finals, handles)
 
     async def _stream_chat(self, rid: str, model: str, handle: RequestStream, n: int,

@@ -129,6 +129,8 @@ class SamplingRequest(OpenAIBaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     data_parallel_rank: int | None = Field(None, ge=0)
+    # PD disaggregation (vLLM's): do_remote_decode / do_remote_prefill, remote_block_ids, ...
+    kv_transfer_params: dict[str, Any] | None = None
     return_timing: bool = False  # lane's extension: queue / prefill / decode / TTFT / mean ITL in ms
     # structured outputs: OpenAI's response_format, vLLM's structured_outputs and older guided_*
     response_format: ResponseFormat | None = None
@@ -187,7 +189,8 @@ class SamplingRequest(OpenAIBaseModel):
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            structured_outputs=self.structured_outputs_params())
+            structured_outputs=self.structured_outputs_params(),
+            extra_args={"kv_transfer_params": self.kv_transfer_params} if self.kv_transfer_params else None)
 
 
 class CompletionRequest(SamplingRequest):
@@ -375,6 +378,7 @@ class CompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    kv_transfer_params: dict | None = None  # PD disaggregation: for the decode engine (vLLM's field)
 
 
 class TopLogprob(OpenAIBaseModel):
@@ -413,6 +417,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    kv_transfer_params: dict | None = None
 
 
 class ChatCompletionChunk(OpenAIBaseModel):

@@ -50,7 +50,22 @@ class Executor:
         return max(self.collective_rpc("warmup"))
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.collective_rpc("execute_model", (scheduler_output,), unique_reply_rank=0)
+        if self.config.kv_transfer_config is None:
+            return self.collective_rpc("execute_model", (scheduler_output,), unique_reply_rank=0)
+        # KV transfers run on every rank at its own pace: a request's transfer is done when every
+        # rank has said so (vLLM's KVOutputAggregator)
+        outs = self.collective_rpc("execute_model", (scheduler_output,))
+        out = outs[0]
+        out.kv_connector_output = self._kv_outputs.merge([o.kv_connector_output for o in outs])
+        return out
+
+    @property
+    def _kv_outputs(self):
+        from lane.kv_transfer.base import KVOutputAggregator
+
+        if not hasattr(self, "_kv_aggregator"):
+            self._kv_aggregator = KVOutputAggregator(self.config.parallel_config.world_size)
+        return self._kv_aggregator
 
     def weight_bytes(self) -> list[int]:
         return self.collective_rpc("weight_bytes")

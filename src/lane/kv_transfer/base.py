@@ -55,6 +55,39 @@ class KVConnectorOutput:
     failed: dict[str, str] = field(default_factory=dict)  # req id -> why its KV could not arrive
 
 
+class KVOutputAggregator:
+    """The ranks' KVConnectorOutputs as one: a request's sends or receives are finished once
+    every rank has reported them (in this step or earlier ones); bytes add up; failures join."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self._sending: dict[str, int] = {}
+        self._recving: dict[str, int] = {}
+        self._failed: dict[str, str] = {}  # a rank's failed receive, until every rank is done
+
+    def merge(self, outs: list["KVConnectorOutput | None"]) -> "KVConnectorOutput | None":
+        merged = KVConnectorOutput()
+        seen = False
+        for out in outs:
+            if out is None:
+                continue
+            seen = True
+            merged.bytes_sent += out.bytes_sent
+            merged.bytes_received += out.bytes_received
+            merged.seconds = max(merged.seconds, out.seconds)
+            self._failed.update(out.failed)
+            for ids, counts, done in ((out.finished_sending, self._sending, merged.finished_sending),
+                                      (out.finished_recving, self._recving, merged.finished_recving)):
+                for rid in ids:
+                    counts[rid] = counts.get(rid, 0) + 1
+                    if counts[rid] == self.world_size:
+                        del counts[rid]
+                        done.add(rid)
+        for rid in merged.finished_recving & self._failed.keys():
+            merged.failed[rid] = self._failed.pop(rid)
+        return merged if seen else None
+
+
 @dataclass
 class LayoutInfo:
     """What must match between two engines for KV blocks to move between them as they are."""
@@ -62,6 +95,7 @@ class LayoutInfo:
     block_size: int
     dtype: str
     tensors: dict[str, tuple]  # cache tensor name -> one block's shape
+    kv_heads: int = 1  # the model's KV heads, all ranks together (paged K/V splits them over ranks)
 
 
 class KVConnectorBase:
@@ -93,6 +127,17 @@ class KVConnectorBase:
 
     def request_finished(self, request: "Request", block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
         return False, None
+
+    # whether a transfer carries running state (a request goes on from it, not from a block edge)
+    moves_running_state: bool = False
+
+    def has_pending_meta(self) -> bool:
+        """Work for the workers that must reach them even when no request computes."""
+        return False
+
+    def take_expired(self) -> list[str]:
+        """Requests whose blocks were kept for another engine too long (the scheduler frees them)."""
+        return []
 
     # -- worker side -----------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, "torch.Tensor"]) -> None:
@@ -133,7 +178,10 @@ class KVConnectorBase:
         pass
 
 
-def layout_of(architecture: str, dtype, kv_cache_config: "KVCacheConfig") -> LayoutInfo:
-    return LayoutInfo(architecture, kv_cache_config.block_size, str(dtype).removeprefix("torch."),
+def layout_of(model_config, kv_cache_config: "KVCacheConfig") -> LayoutInfo:
+    cfg = model_config.hf_config
+    heads = getattr(cfg, "num_key_value_heads", None) or getattr(cfg, "num_attention_heads", 1)
+    return LayoutInfo((model_config.architectures or ["?"])[0], kv_cache_config.block_size,
+                      str(model_config.dtype).removeprefix("torch."),
                       {name: tuple(spec.shape) for g in kv_cache_config.groups
-                       for name, spec in zip(g.layer_names, g.specs)})
+                       for name, spec in zip(g.layer_names, g.specs)}, int(heads))

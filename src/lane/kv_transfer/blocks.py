@@ -24,10 +24,12 @@ def first_window_block(num_tokens: int, window: int, block_size: int) -> int:
     return max(0, num_tokens - window + 1) // block_size
 
 
-def block_plan(config: KVCacheConfig, block_ids: tuple[list[int], ...], start: int, end: int
-               ) -> list[list[tuple[int, int]]]:
+def block_plan(config: KVCacheConfig, block_ids: tuple[list[int], ...], start: int, end: int,
+               with_state: bool = False) -> list[list[tuple[int, int]]]:
     """Per group: (block position in the request's table, block id) of the blocks that hold
-    tokens [start, end) and are needed to go on from ``end``."""
+    tokens [start, end) and are needed to go on from ``end`` (``start`` is a block edge; a
+    partial last block moves whole: the slots past ``end`` are overwritten when computed).
+    ``with_state``: running-state groups move their slot too (a transfer that resumes mid-block)."""
     out: list[list[tuple[int, int]]] = []
     for group, ids in zip(config.groups, block_ids):
         bs = group.block_size
@@ -36,9 +38,9 @@ def block_plan(config: KVCacheConfig, block_ids: tuple[list[int], ...], start: i
         elif group.kind == SLIDING_WINDOW:
             first = max(start // bs, first_window_block(end, group.sliding_window, bs))
         else:
-            out.append([])
+            out.append([(0, ids[0])] if with_state and ids else [])
             continue
-        out.append([(p, ids[p]) for p in range(first, end // bs) if p < len(ids) and ids[p] != NULL_BLOCK])
+        out.append([(p, ids[p]) for p in range(first, -(-end // bs)) if p < len(ids) and ids[p] != NULL_BLOCK])
     return out
 
 

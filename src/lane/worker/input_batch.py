@@ -77,7 +77,8 @@ class InputBatch:
             self.requests[new.req_id] = CachedRequestState(
                 new.req_id, list(new.prompt_token_ids), sp, tuple(list(ids) for ids in new.block_ids),
                 new.num_computed_tokens,
-                torch.Generator().manual_seed(sp.seed) if sp.seed is not None else None)
+                torch.Generator().manual_seed(sp.seed) if sp.seed is not None else None,
+                fresh=not new.state_arrived)
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             st = self.requests[rid]

@@ -103,20 +103,27 @@ class ModelRunner:
         """Step 20. When every cache layer's decode rows are independent (paged attention, MLA,
         the indexer), a request verifying drafts is one decode row per token, each seeing the
         cache up to itself, so a verify step stays a decode step (fused kernel included)."""
-        as_decodes = [s.is_decode or (self._verify_as_decodes and bool(s.drafts) and not s.state.fresh)
-                      for s in batch]
+        # a handed-over prompt's last token runs as a prefill row even alone: only a prefill chunk
+        # can give its running state back (the state goes to the decode engine as before that token)
+        as_decodes = [(s.is_decode and not self._hands_over(s))
+                      or (self._verify_as_decodes and bool(s.drafts) and not s.state.fresh) for s in batch]
         ordered = sorted(zip(as_decodes, batch), key=lambda p: not p[0])  # stable: decode-shaped first
         batch = [s for _, s in ordered]
         input_ids: list[int] = []
         positions: list[int] = []
         layout = BatchLayout()
+        takes_back = False
         for as_decode, s in ordered:
             start = s.state.num_computed_tokens
             rows = s.input_ids()
-            layout.add(s.state.block_ids, start, len(rows), as_decode, s.state.fresh, len(s.drafts))
+            # rows the step may take back: drafts, or a handed-over prompt's last token (its running
+            # state goes to the decode engine as it was before that token)
+            back = len(s.drafts) or int(self._hands_over(s))
+            takes_back |= back > 0
+            layout.add(s.state.block_ids, start, len(rows), as_decode, s.state.fresh, back)
             input_ids.extend(rows)
             positions.extend(range(start, start + s.num_tokens))
-        md = self._attn_metadata(layout.common(self.spec is not None), layout.block_ids)
+        md = self._attn_metadata(layout.common(self.spec is not None or takes_back), layout.block_ids)
         # rows whose token is the request's last pending one, and its drafts': these get logits
         sampling, sample_rows, row = [], [], 0
         for s in batch:
@@ -168,6 +175,10 @@ class ModelRunner:
     # -- one step ------------------------------------------------------------------
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        if not so.num_scheduled_tokens:  # a connector-only step: its transfers' news, no forward
+            self.connector.bind_connector_metadata(so.kv_connector_metadata)
+            self.connector.start_load_kv()
+            return ModelRunnerOutput(kv_connector_output=self._save_kv(so))
         prof = tracing.forward_profile()  # None unless tracing
         t0 = time.monotonic() if prof else 0.0
         batch = self.input_batch.update(so)
@@ -175,6 +186,7 @@ class ModelRunner:
         for s in batch:
             s.state.fresh = False
         verifying = [s for s in sampling if s.drafts]
+        handing = [s for s in sampling if self._hands_over(s)]  # (before their sampled tokens are appended)
         if prof:
             ids = [s.state.req_id for s in batch]
             nd = sum(s.is_decode for s in batch)
@@ -218,8 +230,8 @@ class ModelRunner:
         for s, toks in zip(sampling, tokens):
             for tok in toks:
                 s.state.append_output_token(tok)
-        if verifying:
-            self._keep_verified(sampling, tokens)
+        if verifying or handing:
+            self._keep_verified(sampling, tokens, handing)
         drafts = self._propose(batch, sampling, tokens, hidden) if self.spec else None
         return ModelRunnerOutput([s.state.req_id for s in sampling], tokens,
                                  logprobs if any(lp is not None for lp in logprobs) else None,
@@ -281,8 +293,17 @@ class ModelRunner:
                     logprobs[b] = token_logprobs(raw[rows], toks, nums[first[b]:first[b] + len(toks)])
         return tokens, logprobs
 
-    def _keep_verified(self, sampling: list[ScheduledRequest], tokens: list[list[int]]) -> None:
-        """Running state (V4's compression) falls back to the last accepted position."""
+    def _hands_over(self, s: ScheduledRequest) -> bool:
+        """This step ends the prompt of a request whose KV, running state included, a decode
+        engine pulls (PD disaggregation)."""
+        extra = s.state.sampling_params.extra_args
+        params = extra.get("kv_transfer_params") if extra else None
+        return bool(self._state_groups and params and params.get("do_remote_decode") and s.samples and not s.drafts)
+
+    def _keep_verified(self, sampling: list[ScheduledRequest], tokens: list[list[int]],
+                       handing: list[ScheduledRequest] = ()) -> None:
+        """Running state (V4's compression) falls back to the last accepted position (and, for a
+        request handed over to a decode engine, to before its last prompt token)."""
         if not self._state_groups:
             return
         rows: dict[int, int] = {}  # running-state slot -> rows of this step it keeps
@@ -290,6 +311,9 @@ class ModelRunner:
             if s.drafts and (rejected := len(s.drafts) + 1 - len(toks)):
                 for g in self._state_groups:
                     rows[s.state.block_ids[g][0]] = s.num_tokens - rejected
+            elif any(h is s for h in handing):
+                for g in self._state_groups:
+                    rows[s.state.block_ids[g][0]] = s.num_tokens - 1
         for layer in self.cache_layers.values():
             layer.keep_verified(rows)
 

@@ -131,8 +131,7 @@ class Worker:
             from lane.kv_transfer.factory import create_connector
 
             mc = self.config.model_config
-            connector = create_connector(ktc, KVConnectorRole.WORKER, kv_cache_config,
-                                         layout_of((mc.architectures or ["?"])[0], mc.dtype, kv_cache_config),
+            connector = create_connector(ktc, KVConnectorRole.WORKER, kv_cache_config, layout_of(mc, kv_cache_config),
                                          self.rank, self.config.parallel_config.world_size)
             connector.register_kv_caches(self.runner.kv_caches)
             self.runner.connector = connector

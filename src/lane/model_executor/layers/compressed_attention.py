@@ -253,8 +253,9 @@ class V4AttentionCache(CacheLayer):
         again from the state before it (exact: the same rows in the same order)."""
         for (which, slot), (kv, gate, p0, overlap, state) in self._verify.items():
             n = rows_by_slot.get(slot)
-            if n is not None and n < kv.shape[0]:
-                getattr(self, which)[slot] = compress_chunk(kv[:n], gate[:n], p0, self.rate, overlap, state).state
+            if n is not None and n < kv.shape[0]:  # n = 0: the state before the chunk, as it was
+                getattr(self, which)[slot] = (state if n == 0 else
+                                              compress_chunk(kv[:n], gate[:n], p0, self.rate, overlap, state).state)
         self._verify.clear()
 
     def _load_state(self, which: str, slot: int, p0: int, fresh: bool, table: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,419 @@
+"""TcpConnector: NIXL's pull semantics over ZeroMQ (vLLM's NixlConnector shape, ours).
+
+The prefill engine (kv_producer / kv_both) runs a request given ``kv_transfer_params:
+{"do_remote_decode": true}``; when it finishes, its blocks stay held (delayed free) and the
+response carries what the decode engine needs to pull them: ``remote_block_ids`` (one list per
+KV cache group), ``remote_engine_id``, ``remote_request_id``, ``remote_host``, ``remote_port``,
+``tp_size``, and ``do_remote_prefill: true``.
+
+The decode engine (kv_consumer / kv_both) admits such a request with blocks for all its prompt
+tokens but the last, and parks it (WAITING_FOR_REMOTE_KVS) while its workers pull them, layer by
+layer, on the prefill engine's side channel; other requests run meanwhile. Once every rank has
+its blocks the request computes one prompt token (the last, whose logits it needs) and decodes.
+A worker that has pulled tells the prefill side, which frees the blocks; blocks nobody pulls are
+freed after ``kv_connector_extra_config.abort_timeout_s`` (120). A pull that fails (the prefill
+engine is gone, or does not know the request) is counted and the prompt recomputed here.
+
+The side channel: each prefill rank binds a ZeroMQ ROUTER on ``kv_ip:kv_port + dp_rank * tp +
+tp_rank`` (``kv_port + dp_rank`` at one rank, as vLLM). Every frame is signed with the
+deployment's secret (``LANE_RPC_SECRET`` or ``--rpc-secret-file``, rpc_auth.py): a frame that
+does not check is dropped, logged, and nothing of it is read; bodies are msgpack headers and raw
+tensor bytes, never pickles. The decode side may run more tensor-parallel ranks than the prefill
+side (a multiple of them): each decode rank pulls from the prefill rank holding its KV heads and
+takes those heads (MLA latents and V3.2 / V4 caches are the same on every rank).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+import torch
+
+from lane.kv_transfer.base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
+from lane.kv_transfer.blocks import block_plan
+from lane.tracing import Step, tracer
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_ABORT_TIMEOUT_S = 120.0
+PULL_TIMEOUT_S = 30.0  # a pull that gets no answer this long fails (the prefill engine is gone)
+
+
+# -- side-channel messages (msgpack) -----------------------------------------------------------
+class PullLayer(msgspec.Struct, tag="pull"):
+    request_id: str  # the prefill engine's
+    layer: str  # cache layer (module) name
+    positions: list[list[int]]  # per group: block positions in the prefill engine's table
+    heads: tuple[int, int] | None = None  # KV heads [a, b) of full-attention tensors (global), None: all
+
+
+class Done(msgspec.Struct, tag="done"):
+    request_id: str
+    pullers: int = 1  # decode ranks that pull from this prefill rank: the blocks go when all are done
+
+
+class LayerData(msgspec.Struct):
+    ok: bool
+    error: str = ""
+    names: list[str] = []
+    dtypes: list[str] = []
+    shapes: list[list[int]] = []
+
+
+_REQ = msgspec.msgpack.Decoder(PullLayer | Done)
+_REP = msgspec.msgpack.Decoder(LayerData)
+_ENC = msgspec.msgpack.Encoder()
+
+
+@dataclass
+class PullSpec:
+    """One request's pull, as the scheduler hands it to the workers."""
+    req_id: str
+    remote_request_id: str
+    host: str
+    port: int  # the prefill engine's base side-channel port (its rank 0)
+    remote_tp: int
+    remote_positions: list[list[int]]  # per group: the prefill engine's block positions to pull
+    remote_block_ids: list[list[int]]
+    plan: list[list[tuple[int, int]]]  # per group: (position, local block id)
+
+
+@dataclass
+class Exposure:
+    request_id: str
+    block_ids: list[list[int]]  # per group, the request's whole tables here
+
+
+@dataclass
+class TcpConnectorMetadata(KVConnectorMetadata):
+    pulls: list[PullSpec] = field(default_factory=list)
+    expose: list[Exposure] = field(default_factory=list)
+    unexpose: list[str] = field(default_factory=list)
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name.removeprefix("torch."))
+
+
+class TcpConnector(KVConnectorBase):
+    # V4's running compression state moves too, as it was before the last prompt token (the prefill
+    # side keeps that state for a request it hands over): the decode side goes on from it
+    moves_running_state = True
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        cfg = self.config
+        self.producer, self.consumer = cfg.is_kv_producer, cfg.is_kv_consumer
+        self.abort_timeout_s = float(cfg.kv_connector_extra_config.get("abort_timeout_s", DEFAULT_ABORT_TIMEOUT_S))
+        self.dp_rank = int(cfg.kv_connector_extra_config.get("dp_rank", 0))  # set by lane serve per replica
+        # scheduler side
+        self._pulls: list[PullSpec] = []
+        self._expose: list[Exposure] = []
+        self._unexpose: list[str] = []
+        self._exposed: dict[str, float] = {}  # request id -> deadline (its blocks are held for a pull)
+        self.expired: list[str] = []  # requests whose blocks nobody pulled in time (the scheduler frees them)
+        self.get_block_ids = None
+        # worker side
+        self._auth = None
+        self._served: dict[str, list[list[int]]] = {}
+        self._lock = threading.Lock()
+        self._done_sending: set[str] = set()
+        self._done_counts: dict[str, int] = {}  # Done messages so far, per request (several decode ranks)
+        self._done_recving: set[str] = set()
+        self._failed: dict[str, str] = {}
+        self._closing = False
+        if self.role is KVConnectorRole.WORKER:
+            import queue
+
+            from lane.distributed.rpc_auth import RpcAuth, resolve_rpc_secret
+
+            secret = resolve_rpc_secret(cfg.kv_connector_extra_config.get("rpc_secret_file"), create=True)
+            # one sender id per process, its counter rising over every frame it sends: pulls go one
+            # at a time (a queue and one thread), so the prefill side sees them in order
+            self._client_auth = RpcAuth(secret, int.from_bytes(os.urandom(4), "little") | 1)
+            self._server_auth = RpcAuth(secret, 0)
+            self._queue: queue.Queue = queue.Queue()
+            threading.Thread(target=self._pull_loop, daemon=True, name="KVPull").start()
+            if self.producer:
+                self._start_server()
+
+    # -- scheduler side ---------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        params = request.kv_transfer_params
+        if not (self.consumer and params and params.get("do_remote_prefill")) or request.num_output_tokens:
+            return 0, False
+        if params.get("_pulled"):  # pulled once already (a preempted request recomputes here)
+            return 0, False
+        missing = [k for k in ("remote_block_ids", "remote_host", "remote_port", "remote_request_id")
+                   if k not in params]
+        if missing:
+            raise ValueError(f"kv_transfer_params with do_remote_prefill lacks {', '.join(missing)}")
+        end = request.num_prompt_tokens - 1  # the last prompt token is computed here (its logits)
+        return max(end - num_computed_tokens, 0), True
+
+    def update_state_after_alloc(self, request, block_ids, num_external_tokens: int) -> None:
+        if not num_external_tokens:
+            return
+        params = request.kv_transfer_params
+        end = request.num_prompt_tokens - 1
+        plan = block_plan(self.kv_cache_config, block_ids, end - num_external_tokens, end, with_state=True)
+        remote = params["remote_block_ids"]
+        if len(remote) != len(plan):
+            raise ValueError(f"kv_transfer_params: remote_block_ids has {len(remote)} KV cache groups, this "
+                             f"engine {len(plan)}: the two engines serve different models")
+        self._pulls.append(PullSpec(
+            request.request_id, params["remote_request_id"], params["remote_host"], int(params["remote_port"]),
+            int(params.get("tp_size", 1)), [[p for p, _ in g] for g in plan],
+            [[ids[p] for p, _ in g] for g, ids in zip(plan, remote)], plan))
+        params["_pulled"] = True
+
+    def build_connector_meta(self, scheduler_output) -> TcpConnectorMetadata:
+        meta = TcpConnectorMetadata(self._pulls, self._expose, self._unexpose)
+        self._pulls, self._expose, self._unexpose = [], [], []
+        return meta
+
+    def has_pending_meta(self) -> bool:
+        return bool(self._pulls or self._expose or self._unexpose)
+
+    def request_finished(self, request, block_ids) -> tuple[bool, dict | None]:
+        params = request.kv_transfer_params
+        if not (self.producer and params and params.get("do_remote_decode")) or not request.status.finish_reason \
+                or request.status.finish_reason == "abort":
+            return False, None
+        rid = request.request_id
+        self._exposed[rid] = time.monotonic() + self.abort_timeout_s
+        self._expose.append(Exposure(rid, [list(ids) for ids in block_ids]))
+        return True, {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": block_ids,
+                      "remote_engine_id": self.config.engine_id, "remote_request_id": rid,
+                      "remote_host": self.config.kv_ip, "remote_port": self.config.kv_port + self.dp_rank * self.tp_size,
+                      "tp_size": self.tp_size}
+
+    def update_connector_output(self, output) -> None:
+        for rid in output.finished_sending:
+            if self._exposed.pop(rid, None) is not None:
+                self._unexpose.append(rid)
+
+    def take_expired(self) -> list[str]:
+        """Requests whose blocks waited for a pull longer than abort_timeout_s: the scheduler frees them."""
+        now = time.monotonic()
+        gone = [rid for rid, deadline in self._exposed.items() if deadline < now]
+        for rid in gone:
+            del self._exposed[rid]
+            self._unexpose.append(rid)
+        return gone
+
+    # -- worker side: the prefill engine's side channel --------------------------------------
+    def _port(self, base: int, tp_rank: int) -> int:
+        return base + tp_rank
+
+    def _start_server(self) -> None:
+        import zmq
+
+        self._ctx = zmq.Context()
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        port = self._port(self.config.kv_port + self.dp_rank * self.tp_size, self.rank)
+        sock.bind(f"tcp://{self.config.kv_ip}:{port}")
+        t = threading.Thread(target=self._serve, args=(sock,), daemon=True, name="KVSideChannel")
+        t.start()
+        logger.info("KV side channel (rank %d) on %s:%d", self.rank, self.config.kv_ip, port)
+
+    def _serve(self, sock) -> None:
+        import zmq
+
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        waiting: list[tuple[bytes, PullLayer, float]] = []  # pulls that came before their request was exposed
+        while not self._closing:
+            if poller.poll(10):
+                ident, frame = sock.recv_multipart()
+                try:
+                    _, body = self._server_auth.open(frame)
+                except Exception as e:  # noqa: BLE001 - AuthError: nothing of it is read
+                    self._server_auth.log_dropped("KV side channel", e)
+                    logger.error("KV side channel: a pull signed with another secret than this engine's was "
+                                 "refused (the decode engine needs the same LANE_RPC_SECRET / --rpc-secret-file)")
+                    sock.send_multipart([ident, self._server_auth.seal(_ENC.encode(LayerData(
+                        False, "refused: this prefill engine signs with another secret than yours "
+                               "(LANE_RPC_SECRET / --rpc-secret-file)")))])
+                    continue
+                msg = _REQ.decode(body)
+                if isinstance(msg, Done):
+                    with self._lock:
+                        n = self._done_counts.get(msg.request_id, 0) + 1
+                        if n >= msg.pullers:
+                            self._done_counts.pop(msg.request_id, None)
+                            self._done_sending.add(msg.request_id)
+                        else:
+                            self._done_counts[msg.request_id] = n
+                    sock.send_multipart([ident, self._server_auth.seal(_ENC.encode(LayerData(True)))])
+                    continue
+                waiting.append((ident, msg, time.monotonic() + 5.0))
+            still = []
+            for ident, msg, deadline in waiting:
+                with self._lock:
+                    tables = self._served.get(msg.request_id)
+                if tables is None and time.monotonic() < deadline:
+                    still.append((ident, msg, deadline))
+                    continue
+                sock.send_multipart([ident, *self._layer_reply(msg, tables)])
+            waiting = still
+        sock.close(0)
+
+    def _layer_reply(self, msg: PullLayer, tables) -> list[bytes]:
+        if tables is None:
+            return [self._server_auth.seal(_ENC.encode(LayerData(
+                False, f"request {msg.request_id} is not held here (never prefilled, pulled already or expired)")))]
+        names, dtypes, shapes, parts = [], [], [], []
+        for name, t in self.kv_caches.items():
+            if name.rpartition(".")[0] != msg.layer:
+                continue
+            g = self.group_of[name]
+            ids = [tables[g][p] for p in msg.positions[g]]
+            if not ids:
+                continue
+            data = t[torch.tensor(ids)]
+            if msg.heads is not None and self.head_split(name):
+                lo, hi = self._local_heads(msg.heads, t.shape[1])
+                data = data[:, lo:hi]
+            data = data.contiguous()
+            names.append(name)
+            dtypes.append(str(data.dtype))
+            shapes.append(list(data.shape))
+            parts.append(data.view(torch.uint8).numpy().tobytes())
+            self.stats.bytes_sent += data.numel() * data.element_size()
+        head = self._server_auth.seal(_ENC.encode(LayerData(True, "", names, dtypes, shapes)))
+        return [head, self._server_auth.seal(b"".join(parts))]
+
+    def head_split(self, name: str) -> bool:
+        """Whether this tensor holds a slice of the KV heads on each rank (paged K/V), not the same on
+        every rank (MLA latents, indexer keys, V4's caches)."""
+        spec = self._specs[name]
+        return type(spec).__name__ == "FullAttentionSpec"
+
+    def _local_heads(self, heads: tuple[int, int], local: int) -> tuple[int, int]:
+        """Global KV heads [a, b) -> this rank's tensor's head index range."""
+        total = self.layout.kv_heads
+        if total >= self.tp_size:  # heads split evenly
+            first = self.rank * local
+        else:  # fewer heads than ranks: each held by tp / total ranks
+            first = self.rank // (self.tp_size // total)
+        return heads[0] - first, heads[1] - first
+
+    def register_kv_caches(self, kv_caches) -> None:
+        super().register_kv_caches(kv_caches)
+        self._specs = {n: s for g in self.kv_cache_config.groups for n, s in zip(g.layer_names, g.specs)}
+        self._kv_heads_per_rank = next((s.num_kv_heads for s in self._specs.values()
+                                        if type(s).__name__ == "FullAttentionSpec"), 1)
+
+    # -- worker side: every step -------------------------------------------------------------
+    def start_load_kv(self) -> None:
+        meta = self._meta
+        if not isinstance(meta, TcpConnectorMetadata):
+            return
+        with self._lock:
+            for e in meta.expose:
+                self._served[e.request_id] = e.block_ids
+            for rid in meta.unexpose:
+                self._served.pop(rid, None)
+        for spec in meta.pulls:
+            self._queue.put(spec)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        with self._lock:
+            sending, self._done_sending = self._done_sending, set()
+            recving, self._done_recving = self._done_recving, set()
+            failed, self._failed = self._failed, {}
+        self.stats.failed.update(failed)
+        return sending, recving
+
+    def _heads_wanted(self, spec: PullSpec) -> tuple[int, int] | None:
+        """This rank's global KV heads, when the prefill side splits heads over fewer ranks."""
+        if spec.remote_tp == self.tp_size:
+            return None
+        total, local = self.layout.kv_heads, self._kv_heads_per_rank
+        if total >= self.tp_size:
+            return self.rank * local, (self.rank + 1) * local
+        head = self.rank // (self.tp_size // total)
+        return head, head + 1
+
+    def _remote_rank(self, spec: PullSpec) -> int:
+        if self.tp_size % spec.remote_tp:
+            raise ValueError(f"the prefill engine runs {spec.remote_tp} tensor-parallel ranks, this one {self.tp_size}: "
+                             f"the decode side's ranks must be a multiple of the prefill side's")
+        return self.rank // (self.tp_size // spec.remote_tp)
+
+    def _pull_loop(self) -> None:
+        while not self._closing:
+            self._pull(self._queue.get())
+
+    def _pull(self, spec: PullSpec) -> None:
+        """One request's blocks from its prefill rank, layer by layer, then Done."""
+        import zmq
+
+        t0, nbytes = time.monotonic(), 0
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        auth = self._client_auth
+        try:
+            remote_rank = self._remote_rank(spec)
+            sock.connect(f"tcp://{spec.host}:{self._port(spec.port, remote_rank)}")
+            heads = self._heads_wanted(spec)
+            layers: dict[str, list[str]] = {}
+            for name in self.kv_caches:
+                layers.setdefault(name.rpartition(".")[0], []).append(name)
+            for layer in layers:
+                sock.send(auth.seal(_ENC.encode(PullLayer(spec.remote_request_id, layer, spec.remote_positions, heads))))
+                frames = self._recv(sock, auth, 2)
+                head = _REP.decode(frames[0])
+                if not head.ok:
+                    raise RuntimeError(head.error)
+                blob, offset = frames[1], 0
+                for name, dt, shape in zip(head.names, head.dtypes, head.shapes):
+                    n = int(torch.Size(shape).numel()) * _dtype(dt).itemsize
+                    data = torch.frombuffer(bytearray(blob[offset:offset + n]), dtype=torch.uint8).view(
+                        _dtype(dt)).view(shape)
+                    offset += n
+                    t = self.kv_caches[name]
+                    local = [b for _, b in spec.plan[self.group_of[name]]]
+                    t[torch.tensor(local)] = data.to(t.dtype)
+                    nbytes += n
+            sock.send(auth.seal(_ENC.encode(Done(spec.remote_request_id, self.tp_size // spec.remote_tp))))
+            self._recv(sock, auth, 1)
+            with self._lock:
+                self._done_recving.add(spec.req_id)
+                self.stats.bytes_received += nbytes
+                self.stats.seconds += time.monotonic() - t0
+            if tracer.enabled:
+                tracer.record(Step.KV_TRANSFER, t0, time.monotonic(), [spec.req_id], connector="TcpConnector",
+                              direction="pull", bytes=nbytes, blocks=sum(len(g) for g in spec.plan),
+                              ms=round((time.monotonic() - t0) * 1e3, 3), remote=f"{spec.host}:{spec.port}")
+        except Exception as e:  # noqa: BLE001 - the request recomputes its prompt; said in the log
+            logger.warning("KV pull of request %s from %s:%d failed: %s; its prompt is recomputed here",
+                           spec.req_id, spec.host, spec.port, e)
+            with self._lock:
+                self._failed[spec.req_id] = str(e)
+                self._done_recving.add(spec.req_id)
+        finally:
+            sock.close(0)
+
+    def _recv(self, sock, auth, n: int) -> list[memoryview]:
+        import zmq
+
+        if not sock.poll(int(PULL_TIMEOUT_S * 1000), zmq.POLLIN):
+            raise TimeoutError(f"no answer from the prefill engine within {PULL_TIMEOUT_S:.0f} s")
+        out = []
+        for f in sock.recv_multipart()[:n]:  # an error answer is one frame
+            try:
+                out.append(auth.open(f)[1])
+            except Exception as e:  # noqa: BLE001
+                raise RuntimeError(f"the prefill engine's answer does not check ({e}): it signs with another "
+                                   f"secret than this engine (LANE_RPC_SECRET / --rpc-secret-file)") from None
+        return out
+
+    def shutdown(self) -> None:
+        self._closing = True
