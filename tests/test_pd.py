@@ -2,6 +2,8 @@
 engine's greedy tokens, the decode side computing only what the connector could not bring,
 for every KV cache kind lane has (paged K/V, MLA latents, V3.2's indexer keys, V4's compressed
 entries, block-edge snapshots and sliding window)."""
+import json
+
 import pytest
 
 from lane import LLM, SamplingParams
@@ -233,3 +235,159 @@ def test_tcp_pulls_are_signed_and_unpulled_blocks_expire(tiny, monkeypatch, capl
             pump.close()
         for llm in (prefill, decode, ref):
             llm.shutdown()
+
+
+def test_mtp_with_pd_drafts_as_without(tiny, secret):
+    """MTP k = 2 on tiny V4 through the TCP connector: the decode side computes the last prompt
+    token again (its hidden state feeds the first draft; its MTP layer's cache came with the
+    blocks), so tokens and per-position acceptance equal a single engine's."""
+    from utils import free_port
+
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = PROMPTS[2:5]
+    ref = LLM(tiny["deepseek_v4"], speculative_config=spec, **KW)
+    want = [ref.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    ref_stats = ref.engine.scheduler.spec_stats
+    ref.shutdown()
+    prefill = LLM(tiny["deepseek_v4"], speculative_config=spec, kv_transfer_config=_tcp("kv_producer", free_port()), **KW)
+    decode = LLM(tiny["deepseek_v4"], speculative_config=spec, kv_transfer_config=_tcp("kv_consumer", free_port()), **KW)
+    try:
+        for p, w in zip(prompts, want):
+            kv = _prefill(prefill, p)
+            pump = Pump(prefill)
+            try:
+                assert _decode_with(decode, p, kv, params) == w
+            finally:
+                pump.close()
+        stats = decode.engine.scheduler.spec_stats
+        assert stats.num_drafts == ref_stats.num_drafts > 0
+        assert stats.num_accepted_tokens_per_pos == ref_stats.num_accepted_tokens_per_pos
+        assert decode.engine.scheduler.num_prompt_tokens_computed == len(prompts)
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def _decode_with(llm: LLM, prompt: list[int], kv: dict, params: SamplingParams) -> list[int]:
+    from dataclasses import replace
+
+    sp = replace(params, extra_args={"kv_transfer_params": kv})
+    return llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0].outputs[0].token_ids
+
+
+# -- served: prefill and decode lane serve behind lane proxy ----------------------------------------
+
+def _start_proxy(prefill_port: int, decode_port: int):
+    import subprocess
+    import sys
+    import time
+
+    import httpx2 as httpx
+
+    from utils import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "lane.entrypoints.cli", "proxy", "--port", str(port),
+                             "--prefiller-ports", str(prefill_port), "--decoder-ports", str(decode_port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else "timeout"
+        time.sleep(0.2)
+
+
+def test_proxy_prefill_and_decode_instances_answer_as_one(plain_server, monkeypatch):
+    """SmolLM2 (float32, --quantization none) served as a prefill and a decode instance joined by
+    the TCP connector, behind lane proxy: the text equals one instance's, streamed and not, for
+    completions and chat; both instances' traces join under the proxy's request id (step 55 on
+    both); a SIGKILLed prefill instance leaves the proxy's /health naming it, the in-flight
+    request fails with an error, and the decode instance stays healthy."""
+    import os
+    import signal
+    import time
+
+    import httpx2 as httpx
+    import openai
+
+    from conftest import PLAIN_SERVER_ARGS
+    from utils import RemoteServer, free_port
+
+    monkeypatch.setenv("LANE_RPC_SECRET", SECRET)
+    common = [*PLAIN_SERVER_ARGS, "--trace"]
+    kv_port = free_port()
+    with RemoteServer([*common, "--kv-transfer-config",
+                       json.dumps(_tcp("kv_producer", kv_port, abort_timeout_s=2.0))]) as p, \
+            RemoteServer([*common, "--kv-transfer-config", json.dumps(_tcp("kv_consumer", free_port()))]) as d:
+        proxy, url = _start_proxy(p.port, d.port)
+        try:
+            one = plain_server.client()
+            via = openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=60)
+            prompt = "The history of computing is long and full of surprises; " * 6
+            kw = dict(model="smollm", max_tokens=24, temperature=0)
+            want = one.completions.create(prompt=prompt, **kw).choices[0].text
+            assert via.completions.create(prompt=prompt, **kw).choices[0].text == want
+            streamed = via.completions.create(prompt=prompt, stream=True, **kw)
+            assert "".join(c.choices[0].text for c in streamed if c.choices) == want
+            messages = [{"role": "user", "content": "Name three colors of the rainbow."}]
+            want_chat = one.chat.completions.create(messages=messages, **kw).choices[0].message.content
+            got = via.chat.completions.create(messages=messages, **kw).choices[0].message.content
+            assert got == want_chat
+            # the decode instance computed one prompt token of each (the prefill instance the rest)
+            metrics = httpx.get(d.url + "/metrics").text
+            computed = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                           if line.startswith("lane:prompt_tokens_computed_total{"))
+            assert computed == 3
+            # one id on both legs: one trace with step 55 from both instances
+            r = httpx.post(url + "/v1/completions", json={**kw, "prompt": prompt}, headers={"X-Request-Id": "pd-1"})
+            assert r.status_code == 200 and r.headers["x-request-id"] == "pd-1"
+            trace = httpx.get(url + "/v1/traces/cmpl-pd-1").json()
+            moved = [s for s in trace["spans"] if s["step"] == 55 and not s.get("skipped")]
+            assert {(s["attrs"]["instance"].split()[0], s["attrs"]["direction"]) for s in moved} == {
+                ("prefill", "serve"), ("decode", "pull")}
+            assert {s["attrs"]["instance"].split()[0] for s in trace["spans"]} == {"prefill", "decode"}
+            # a client gone between the legs: the prefill instance's kept blocks expire; one gone during
+            # the decode leg: the decode instance aborts; nothing stays held on either side
+            r = httpx.post(p.url + "/v1/completions", json={**kw, "prompt": prompt, "max_tokens": 1,
+                                                            "kv_transfer_params": {"do_remote_decode": True}})
+            assert r.json()["kv_transfer_params"]["do_remote_prefill"] is True
+            with httpx.stream("POST", url + "/v1/completions", json={**kw, "prompt": prompt * 2, "max_tokens": 400,
+                                                                    "stream": True, "ignore_eos": True}) as s:
+                next(s.iter_lines())
+            deadline = time.monotonic() + 10
+            while any(_metric(httpx.get(i.url + "/metrics").text, "vllm:kv_cache_usage_perc") for i in (p, d)):
+                assert time.monotonic() < deadline, "blocks stayed held after the clients left"
+                time.sleep(0.2)
+            assert _metric(httpx.get(p.url + "/metrics").text, "lane:kv_transfer_expired_requests_total") == 1
+            # the prefill instance dies: requests fail with an error, the proxy's health names it
+            os.kill(p.proc.pid, signal.SIGKILL)
+            for child in p.engine_pids():
+                try:
+                    os.kill(child, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            with pytest.raises(openai.APIError):
+                via.completions.create(prompt=prompt, **kw)
+            deadline = time.monotonic() + 5
+            while True:
+                h = httpx.get(url + "/health")
+                if h.status_code == 503:
+                    break
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+            lost = [i for i in h.json()["instances"] if not i["healthy"]]
+            assert [i["role"] for i in lost] == ["prefill"] and str(p.port) in lost[0]["url"]
+            assert httpx.get(d.url + "/health").status_code == 200
+        finally:
+            proxy.terminate()
+            proxy.wait(10)
+
+
+def _metric(text: str, name: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))

@@ -1,4 +1,4 @@
-"""The ``lane`` command: generate, serve, bench, trace, explain, tiny-model, build-kernels."""
+"""The ``lane`` command: generate, serve, proxy, bench, trace, explain, tiny-model, build-kernels."""
 from __future__ import annotations
 
 import argparse
@@ -356,6 +356,14 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("--chat", action="store_true", help="send it to /v1/chat/completions")
     tr.add_argument("--output-dir", default=".", help="where trace.json and trace.html go")
     tr.add_argument("--api-key", default=os.environ.get("LANE_API_KEY"))
+    px = sub.add_parser("proxy", help="one OpenAI endpoint in front of prefill and decode lane serve instances "
+                                      "(PD disaggregation)")
+    px.add_argument("--host", default="127.0.0.1")
+    px.add_argument("--port", type=int, default=8000)
+    px.add_argument("--prefiller-hosts", nargs="+", default=["127.0.0.1"])
+    px.add_argument("--prefiller-ports", nargs="+", type=int, required=True)
+    px.add_argument("--decoder-hosts", nargs="+", default=["127.0.0.1"])
+    px.add_argument("--decoder-ports", nargs="+", type=int, required=True)
     ex = sub.add_parser("explain", help="which implementation and attention backend a model gets, and its KV layout")
     ex.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                     help="HF model directory or .gguf file (default: the embedded SmolLM2)")
@@ -407,6 +415,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "trace":
         return cmd_trace(args, tr)
+    if args.command == "proxy":
+        from lane.entrypoints.proxy import run as run_proxy, urls
+
+        if not 0 < args.port < 65536:
+            px.error(f"--port must be in [1, 65535], got {args.port}")
+        try:
+            prefill = urls(args.prefiller_hosts, args.prefiller_ports, "prefiller")
+            decode = urls(args.decoder_hosts, args.decoder_ports, "decoder")
+        except ValueError as e:
+            px.error(str(e))
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+        run_proxy(args.host, args.port, prefill, decode)
+        return 0
     if args.command == "generate":
         return cmd_generate(args, gen)
     if args.command == "serve":

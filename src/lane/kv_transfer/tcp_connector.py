@@ -123,6 +123,7 @@ class TcpConnector(KVConnectorBase):
         self._lock = threading.Lock()
         self._done_sending: set[str] = set()
         self._done_counts: dict[str, int] = {}  # Done messages so far, per request (several decode ranks)
+        self._serving: dict[str, list] = {}  # request id -> [first pull's time, bytes served] (traces)
         self._done_recving: set[str] = set()
         self._failed: dict[str, str] = {}
         self._closing = False
@@ -248,6 +249,7 @@ class TcpConnector(KVConnectorBase):
                         if n >= msg.pullers:
                             self._done_counts.pop(msg.request_id, None)
                             self._done_sending.add(msg.request_id)
+                            self._served_span(msg.request_id)
                         else:
                             self._done_counts[msg.request_id] = n
                     sock.send_multipart([ident, self._server_auth.seal(_ENC.encode(LayerData(True)))])
@@ -263,6 +265,13 @@ class TcpConnector(KVConnectorBase):
                 sock.send_multipart([ident, *self._layer_reply(msg, tables)])
             waiting = still
         sock.close(0)
+
+    def _served_span(self, request_id: str) -> None:
+        """Step 55 on the prefill side: from the first pull of a request's blocks to its last Done."""
+        first, nbytes = self._serving.pop(request_id, (None, 0))
+        if tracer.enabled and first is not None:
+            tracer.record(Step.KV_TRANSFER, first, time.monotonic(), [request_id], connector="TcpConnector",
+                          direction="serve", bytes=nbytes, ms=round((time.monotonic() - first) * 1e3, 3))
 
     def _layer_reply(self, msg: PullLayer, tables) -> list[bytes]:
         if tables is None:
@@ -285,7 +294,10 @@ class TcpConnector(KVConnectorBase):
             dtypes.append(str(data.dtype))
             shapes.append(list(data.shape))
             parts.append(data.view(torch.uint8).numpy().tobytes())
-            self.stats.bytes_sent += data.numel() * data.element_size()
+            nbytes = data.numel() * data.element_size()
+            self.stats.bytes_sent += nbytes
+            entry = self._serving.setdefault(msg.request_id, [time.monotonic(), 0])
+            entry[1] += nbytes
         head = self._server_auth.seal(_ENC.encode(LayerData(True, "", names, dtypes, shapes)))
         return [head, self._server_auth.seal(b"".join(parts))]
 
