@@ -276,6 +276,40 @@ def _decode_with(llm: LLM, prompt: list[int], kv: dict, params: SamplingParams) 
     return llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0].outputs[0].token_ids
 
 
+def test_multi_connector_tries_its_connectors_in_order(tiny, secret, tmp_path):
+    """MultiConnector [TCP, shared storage]: a request that comes with the prefill side's
+    kv_transfer_params is pulled (one prompt token computed), one that does not finds the prompt
+    in shared storage (the block-aligned prefix loaded); both as one engine would answer."""
+    from utils import free_port
+
+    def multi(role: str, port: int) -> dict:
+        return {"kv_connector": "MultiConnector", "kv_role": role, "kv_connector_extra_config": {"connectors": [
+            _tcp(role, port), _kv(role, tmp_path)]}}
+
+    ref = LLM(tiny["deepseek_v3"], **KW)
+    p1, p2 = PROMPTS[3], PROMPTS[4]
+    want = [ref.generate([{"prompt_token_ids": p}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in (p1, p2)]
+    ref.shutdown()
+    prefill = LLM(tiny["deepseek_v3"], kv_transfer_config=multi("kv_producer", free_port()), **KW)
+    decode = LLM(tiny["deepseek_v3"], kv_transfer_config=multi("kv_consumer", free_port()), **KW)
+    try:
+        kv = _prefill(prefill, p1)
+        prefill.generate([{"prompt_token_ids": p2}], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+        pump = Pump(prefill)
+        try:
+            sched = decode.engine.scheduler
+            assert _decode(decode, p1, kv) == want[0]
+            assert sched.num_prompt_tokens_computed == 1  # pulled
+            out = decode.generate([{"prompt_token_ids": p2}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+            assert out == want[1]
+            assert sched.num_prompt_tokens_computed == 1 + (len(p2) - 1) % 16 + 1  # from shared storage
+        finally:
+            pump.close()
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
 # -- served: prefill and decode lane serve behind lane proxy ----------------------------------------
 
 def _start_proxy(prefill_port: int, decode_port: int):

@@ -77,7 +77,7 @@ class Scheduler:
         self.connector = kv_connector
         self.kv_transfer_stats = KVTransferStats() if kv_connector is not None else None
         if kv_connector is not None:
-            kv_connector.get_block_ids = self.kv.get_block_ids
+            kv_connector.bind_block_ids(self.kv.get_block_ids)
         self.num_prompt_tokens_computed = 0  # here, not found in the prefix cache nor transferred
         self.delayed_free: dict[str, Request] = {}  # finished, their blocks kept for another engine to pull
         # admitted, their blocks filling from another engine: request id -> (request, tokens arriving)

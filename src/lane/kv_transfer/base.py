@@ -112,6 +112,12 @@ class KVConnectorBase:
         self.stats = KVConnectorOutput()  # this step's transfers (worker side)
 
     # -- scheduler side --------------------------------------------------------------
+    get_block_ids = None  # the scheduler's KVCacheManager.get_block_ids (bind_block_ids)
+
+    def bind_block_ids(self, get_block_ids) -> None:
+        """The scheduler's lookup of a request's block ids, per group."""
+        self.get_block_ids = get_block_ids
+
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         return 0, False
 

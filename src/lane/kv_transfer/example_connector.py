@@ -59,7 +59,6 @@ class ExampleConnector(KVConnectorBase):
         self._prompts: dict[str, list[int]] = {}  # requests seen, until finished
         self._saved: set[str] = set()
         self._loads: list[TransferSpec] = []
-        self.get_block_ids = None  # the scheduler's KVCacheManager.get_block_ids, set by it
         if self.role is KVConnectorRole.WORKER:
             self._check_layout()
 

@@ -8,6 +8,7 @@ from lane.kv_transfer.base import KVConnectorBase
 CONNECTORS = {
     "ExampleConnector": "lane.kv_transfer.example_connector:ExampleConnector",
     "TcpConnector": "lane.kv_transfer.tcp_connector:TcpConnector",
+    "MultiConnector": "lane.kv_transfer.multi_connector:MultiConnector",
 }
 
 

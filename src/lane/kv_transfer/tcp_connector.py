@@ -115,8 +115,6 @@ class TcpConnector(KVConnectorBase):
         self._expose: list[Exposure] = []
         self._unexpose: list[str] = []
         self._exposed: dict[str, float] = {}  # request id -> deadline (its blocks are held for a pull)
-        self.expired: list[str] = []  # requests whose blocks nobody pulled in time (the scheduler frees them)
-        self.get_block_ids = None
         # worker side
         self._auth = None
         self._served: dict[str, list[list[int]]] = {}
