@@ -425,3 +425,22 @@ def test_proxy_prefill_and_decode_instances_answer_as_one(plain_server, monkeypa
 
 def _metric(text: str, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+@pytest.mark.parametrize("params,needle", [
+    ({"do_remote_prefill": True}, "remote_block_ids must be a list of lists"),
+    ({"do_remote_prefill": True, "remote_block_ids": [[1]], "remote_host": "h", "remote_request_id": "r",
+      "remote_port": 99999}, "remote_port must be a port number"),
+    ({"do_remote_decode": "yes"}, "do_remote_decode must be true or false"),
+])
+def test_bad_kv_transfer_params_are_a_400(plain_server, params, needle):
+    import httpx2 as httpx
+
+    r = httpx.post(plain_server.url + "/v1/completions",
+                   json={"model": "smollm", "prompt": "hi", "max_tokens": 2, "kv_transfer_params": params})
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert needle in err["message"] and err["param"] == "kv_transfer_params"
+    bad_id = httpx.post(plain_server.url + "/v1/completions", json={"model": "smollm", "prompt": "hi", "max_tokens": 2},
+                        headers={"X-Request-Id": "no spaces allowed"})
+    assert bad_id.status_code == 400 and bad_id.json()["error"]["param"] == "X-Request-Id"

@@ -179,6 +179,8 @@ class SamplingRequest(OpenAIBaseModel):
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         if self.stream_options is not None and not self.stream:
             raise ParamError("stream_options", "stream_options is only allowed when stream is true")
+        if self.kv_transfer_params:
+            check_kv_transfer_params(self.kv_transfer_params)
         return SamplingParams(
             n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
@@ -191,6 +193,32 @@ class SamplingRequest(OpenAIBaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             structured_outputs=self.structured_outputs_params(),
             extra_args={"kv_transfer_params": self.kv_transfer_params} if self.kv_transfer_params else None)
+
+
+def check_kv_transfer_params(p: dict) -> None:
+    """A decode engine acts on these (it pulls blocks by them): their shape is checked here, a
+    bad one is a 400, never an engine error."""
+    def bad(msg: str) -> ParamError:
+        return ParamError("kv_transfer_params", f"kv_transfer_params: {msg}")
+
+    for key in ("do_remote_decode", "do_remote_prefill"):
+        if key in p and not isinstance(p[key], bool):
+            raise bad(f"{key} must be true or false")
+    if not p.get("do_remote_prefill"):
+        return
+    ids = p.get("remote_block_ids")
+    if not (isinstance(ids, list) and ids and all(isinstance(g, list) and all(type(b) is int and b >= 0 for b in g)
+                                                  for g in ids)):
+        raise bad("remote_block_ids must be a list of lists of block ids (one per KV cache group)")
+    for key, kind in (("remote_host", str), ("remote_request_id", str)):
+        if not isinstance(p.get(key), kind) or not p[key]:
+            raise bad(f"{key} must be a non-empty string")
+    port = p.get("remote_port")
+    if type(port) is not int or not 0 < port < 65536:
+        raise bad("remote_port must be a port number")
+    tp = p.get("tp_size", 1)
+    if type(tp) is not int or tp < 1:
+        raise bad("tp_size must be an integer >= 1")
 
 
 class CompletionRequest(SamplingRequest):

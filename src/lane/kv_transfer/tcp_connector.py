@@ -149,8 +149,14 @@ class TcpConnector(KVConnectorBase):
             return 0, False
         missing = [k for k in ("remote_block_ids", "remote_host", "remote_port", "remote_request_id")
                    if k not in params]
-        if missing:
-            raise ValueError(f"kv_transfer_params with do_remote_prefill lacks {', '.join(missing)}")
+        groups = len(self.kv_cache_config.groups)
+        if missing or len(params.get("remote_block_ids", ())) != groups:
+            logger.error("request %s: kv_transfer_params %s; its prompt is computed here",
+                         request.request_id, f"lack {', '.join(missing)}" if missing else
+                         f"name {len(params['remote_block_ids'])} KV cache groups, this engine has {groups} "
+                         f"(the two engines serve different models)")
+            params["_pulled"] = True
+            return 0, False
         end = request.num_prompt_tokens - 1  # the last prompt token is computed here (its logits)
         return max(end - num_computed_tokens, 0), True
 
@@ -161,9 +167,6 @@ class TcpConnector(KVConnectorBase):
         end = request.num_prompt_tokens - 1
         plan = block_plan(self.kv_cache_config, block_ids, end - num_external_tokens, end, with_state=True)
         remote = params["remote_block_ids"]
-        if len(remote) != len(plan):
-            raise ValueError(f"kv_transfer_params: remote_block_ids has {len(remote)} KV cache groups, this "
-                             f"engine {len(plan)}: the two engines serve different models")
         self._pulls.append(PullSpec(
             request.request_id, params["remote_request_id"], params["remote_host"], int(params["remote_port"]),
             int(params.get("tp_size", 1)), [[p for p, _ in g] for g in plan],
@@ -240,7 +243,11 @@ class TcpConnector(KVConnectorBase):
                         False, "refused: this prefill engine signs with another secret than yours "
                                "(LANE_RPC_SECRET / --rpc-secret-file)")))])
                     continue
-                msg = _REQ.decode(body)
+                try:
+                    msg = _REQ.decode(body)
+                except msgspec.DecodeError as e:
+                    sock.send_multipart([ident, self._server_auth.seal(_ENC.encode(LayerData(False, f"bad message: {e}")))])
+                    continue
                 if isinstance(msg, Done):
                     with self._lock:
                         n = self._done_counts.get(msg.request_id, 0) + 1
@@ -260,7 +267,11 @@ class TcpConnector(KVConnectorBase):
                 if tables is None and time.monotonic() < deadline:
                     still.append((ident, msg, deadline))
                     continue
-                sock.send_multipart([ident, *self._layer_reply(msg, tables)])
+                try:
+                    reply = self._layer_reply(msg, tables)
+                except (IndexError, KeyError, RuntimeError) as e:  # positions this request does not have
+                    reply = [self._server_auth.seal(_ENC.encode(LayerData(False, f"{type(e).__name__}: {e}")))]
+                sock.send_multipart([ident, *reply])
             waiting = still
         sock.close(0)
 
