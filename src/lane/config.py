@@ -155,6 +155,22 @@ class SchedulerConfig:
                              f"{', '.join(SCHEDULING_POLICIES)}")
 
 
+def json_object_flag(value: "str | dict", flag: str, known: tuple[str, ...], example: str,
+                     required: str | None = None) -> dict:
+    """A JSON-object flag's value (the flag's text, or a dict given to ``LLM``), its keys checked by name."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"{flag} is not JSON: {e}") from None
+    if not isinstance(value, dict) or (required is not None and required not in value):
+        raise ValueError(f"{flag} must be an object" + (f' with a "{required}"' if required else "")
+                         + f", e.g. {example}")
+    if unknown := sorted(set(value) - set(known)):
+        raise ValueError(f"{flag}: unknown key(s) {', '.join(unknown)} (known: {', '.join(known)})")
+    return value
+
+
 EXECUTOR_BACKENDS = ("mp", "ray")
 _EPLB_INTS = {"window_size": 1, "step_interval": 1, "num_redundant_experts": 0, "log_balancedness_interval": 1}
 _EPLB_BOOLS = ("log_balancedness", "use_async")
@@ -187,17 +203,8 @@ class EplbConfig:
         """A JSON object (the flag's text), a dict (``LLM(eplb_config=...)``) or None (defaults)."""
         if value is None or isinstance(value, EplbConfig):
             return value or cls()
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as e:
-                raise ValueError(f"--eplb-config is not JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError('--eplb-config must be an object, e.g. {"window_size": 1000, "step_interval": 3000}')
-        known = (*_EPLB_INTS, *_EPLB_BOOLS)
-        if unknown := sorted(set(value) - set(known)):
-            raise ValueError(f"--eplb-config: unknown key(s) {', '.join(unknown)} (known: {', '.join(known)})")
-        return cls(**value)
+        return cls(**json_object_flag(value, "--eplb-config", (*_EPLB_INTS, *_EPLB_BOOLS),
+                                      '{"window_size": 1000, "step_interval": 3000}'))
 
 
 @dataclass
@@ -313,20 +320,8 @@ class SpeculativeConfig:
         """A JSON object (the flag's text) or a dict (``LLM(speculative_config=...)``)."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            import json
-
-            try:
-                value = json.loads(value)
-            except ValueError as e:
-                raise ValueError(f"--speculative-config is not JSON: {e}") from None
-        if not isinstance(value, dict) or "method" not in value:
-            raise ValueError('--speculative-config must be an object with a "method", e.g. '
-                             '{"method": "ngram", "num_speculative_tokens": 3}')
-        if unknown := sorted(set(value) - set(_SPEC_KEYS)):
-            raise ValueError(f"--speculative-config: unknown key(s) {', '.join(unknown)} "
-                             f"(known: {', '.join(_SPEC_KEYS)})")
-        return cls(**value)
+        return cls(**json_object_flag(value, "--speculative-config", _SPEC_KEYS,
+                                      '{"method": "ngram", "num_speculative_tokens": 3}', required="method"))
 
     def check_model(self, hf_config, architecture: str) -> None:
         """Refuse a method the model cannot serve, by name; fill in MTP's default depth."""
@@ -401,19 +396,10 @@ class KVTransferConfig:
         """A JSON object (the flag's text) or a dict (``LLM(kv_transfer_config=...)``)."""
         if value is None or isinstance(value, KVTransferConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except ValueError as e:
-                raise ValueError(f"--kv-transfer-config is not JSON: {e}") from None
-        if not isinstance(value, dict) or "kv_connector" not in value:
-            raise ValueError('--kv-transfer-config must be an object with a "kv_connector", e.g. '
-                             '{"kv_connector": "ExampleConnector", "kv_role": "kv_both", '
-                             '"kv_connector_extra_config": {"shared_storage_path": "/tmp/kv"}}')
-        if unknown := sorted(set(value) - set(_KV_KEYS)):
-            raise ValueError(f"--kv-transfer-config: unknown key(s) {', '.join(unknown)} "
-                             f"(known: {', '.join(_KV_KEYS)})")
-        return cls(**value)
+        return cls(**json_object_flag(value, "--kv-transfer-config", _KV_KEYS,
+                                      '{"kv_connector": "ExampleConnector", "kv_role": "kv_both", '
+                                      '"kv_connector_extra_config": {"shared_storage_path": "/tmp/kv"}}',
+                                      required="kv_connector"))
 
 
 @dataclass
