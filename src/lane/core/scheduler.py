@@ -115,6 +115,8 @@ class Scheduler:
 
     # -- step 15: one scheduling round ----------------------------------------
     def schedule(self) -> SchedulerOutput:
+        if self.delayed_free:
+            self._free_expired()
         out = SchedulerOutput()
         cached = out.scheduled_cached_reqs
         budget = self.config.max_num_batched_tokens
@@ -248,14 +250,17 @@ class Scheduler:
     def connector_step(self) -> SchedulerOutput:
         """A step with no tokens to compute that carries the connector's work to the workers
         (what they are to serve or stop serving) and brings back what they finished."""
-        for rid in self.connector.take_expired():  # nobody pulled them in time
-            req = self.delayed_free.pop(rid, None)
-            if req is not None:
-                self.kv.free(req)
-                self.kv_transfer_stats.expired += 1
+        self._free_expired()
         out = SchedulerOutput()
         out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
+
+    def _free_expired(self) -> None:
+        """Blocks kept for another engine that nobody pulled in time go back to the pool."""
+        for rid in self.connector.take_expired():
+            if (req := self.delayed_free.pop(rid, None)) is not None:
+                self.kv.free(req)
+                self.kv_transfer_stats.expired += 1
 
     def _update_transfers(self, kv_out) -> None:
         """What the workers' transfers finished: blocks another engine pulled are freed; requests
