@@ -130,6 +130,17 @@ class SamplingParams:
         return self.temperature < 1e-5
 
     @property
+    def kv_transfer_params(self) -> dict | None:
+        """PD disaggregation: what the other engine said of this request's KV (or asks of it)."""
+        return self.extra_args.get("kv_transfer_params") if self.extra_args else None
+
+    @property
+    def hands_over_kv(self) -> bool:
+        """A prefill engine's request whose KV a decode engine pulls (do_remote_decode)."""
+        params = self.kv_transfer_params
+        return bool(params and params.get("do_remote_decode"))
+
+    @property
     def uses_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)

@@ -61,15 +61,11 @@ class Request:
 
     @property
     def kv_transfer_params(self) -> dict | None:
-        """PD disaggregation: what the other engine said of this request's KV (or asks of it)."""
-        extra = self.sampling_params.extra_args
-        return extra.get("kv_transfer_params") if extra else None
+        return self.sampling_params.kv_transfer_params
 
     @property
     def hands_over_kv(self) -> bool:
-        """A prefill engine's request whose KV a decode engine pulls (do_remote_decode)."""
-        params = self.kv_transfer_params
-        return bool(params and params.get("do_remote_decode"))
+        return self.sampling_params.hands_over_kv
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -2,6 +2,7 @@
 workers are, and the rank whose output counts (rank 0: every rank holds the same tokens)."""
 from __future__ import annotations
 
+import functools
 import logging
 
 from lane.config import EngineConfig
@@ -59,13 +60,11 @@ class Executor:
         out.kv_connector_output = self._kv_outputs.merge([o.kv_connector_output for o in outs])
         return out
 
-    @property
+    @functools.cached_property
     def _kv_outputs(self):
         from lane.kv_transfer.base import KVOutputAggregator
 
-        if not hasattr(self, "_kv_aggregator"):
-            self._kv_aggregator = KVOutputAggregator(self.config.parallel_config.world_size)
-        return self._kv_aggregator
+        return KVOutputAggregator(self.config.parallel_config.world_size)
 
     def weight_bytes(self) -> list[int]:
         return self.collective_rpc("weight_bytes")

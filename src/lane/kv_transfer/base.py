@@ -109,6 +109,7 @@ class KVConnectorBase:
         self._meta: KVConnectorMetadata | None = None
         self.kv_caches: dict[str, "torch.Tensor"] = {}
         self.group_of: dict[str, int] = {}  # cache tensor name -> its KV cache group
+        self.layers: dict[str, list[str]] = {}  # cache layer (module) -> its tensor names: what moves as one
         self.stats = KVConnectorOutput()  # this step's transfers (worker side)
 
     # -- scheduler side --------------------------------------------------------------
@@ -151,6 +152,8 @@ class KVConnectorBase:
         for g, group in enumerate(self.kv_cache_config.groups):
             for name in group.layer_names:
                 self.group_of[name] = g
+        for name in kv_caches:
+            self.layers.setdefault(name.rpartition(".")[0], []).append(name)
 
     def bind_connector_metadata(self, meta: KVConnectorMetadata | None) -> None:
         self._meta = meta

@@ -139,14 +139,7 @@ class ExampleConnector(KVConnectorBase):
         self._saved.discard(request.request_id)
         return False, None
 
-    # -- worker side ---------------------------------------------------------------------------
-    def _layers(self) -> dict[str, list[str]]:
-        """cache layer (module) -> its tensor names: one file each."""
-        layers: dict[str, list[str]] = {}
-        for name in self.kv_caches:
-            layers.setdefault(name.rpartition(".")[0], []).append(name)
-        return layers
-
+    # -- worker side: one file per cache layer and rank ------------------------------------------
     def start_load_kv(self) -> None:
         meta = self._meta
         if not isinstance(meta, ExampleConnectorMetadata) or not meta.loads:
@@ -157,7 +150,7 @@ class ExampleConnector(KVConnectorBase):
             d = os.path.join(self.root, spec.key)
             with open(os.path.join(d, f"done.r{self.rank}.json")) as f:
                 positions = json.load(f)["positions"]
-            for module, names in self._layers().items():
+            for module, names in self.layers.items():
                 data = load_file(os.path.join(d, f"{module}.r{self.rank}.safetensors"))
                 nbytes += scatter({n: self.kv_caches[n] for n in names}, self.group_of, spec.plan, data, positions)
             self.stats.bytes_received += nbytes
@@ -173,7 +166,7 @@ class ExampleConnector(KVConnectorBase):
             t1, nbytes = time.monotonic(), 0
             d = os.path.join(self.root, spec.key)
             os.makedirs(d, exist_ok=True)
-            for module, names in self._layers().items():
+            for module, names in self.layers.items():
                 data = gather({n: self.kv_caches[n] for n in names}, self.group_of, spec.plan)
                 tmp = os.path.join(d, f".{module}.r{self.rank}.{os.getpid()}.tmp")
                 save_file(data, tmp)

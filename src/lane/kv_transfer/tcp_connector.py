@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import msgspec
 import torch
 
+from lane.kv_cache_interface import FullAttentionSpec
 from lane.kv_transfer.base import KVConnectorBase, KVConnectorMetadata, KVConnectorRole
 from lane.kv_transfer.blocks import block_plan
 from lane.tracing import Step, tracer
@@ -77,9 +78,11 @@ class PullSpec:
     host: str
     port: int  # the prefill engine's base side-channel port (its rank 0)
     remote_tp: int
-    remote_positions: list[list[int]]  # per group: the prefill engine's block positions to pull
-    remote_block_ids: list[list[int]]
-    plan: list[list[tuple[int, int]]]  # per group: (position, local block id)
+    plan: list[list[tuple[int, int]]]  # per group: (block position, local block id); positions are the same there
+
+    @property
+    def positions(self) -> list[list[int]]:
+        return [[p for p, _ in g] for g in self.plan]
 
 
 @dataclass
@@ -116,7 +119,6 @@ class TcpConnector(KVConnectorBase):
         self._unexpose: list[str] = []
         self._exposed: dict[str, float] = {}  # request id -> deadline (its blocks are held for a pull)
         # worker side
-        self._auth = None
         self._served: dict[str, list[list[int]]] = {}
         self._lock = threading.Lock()
         self._done_sending: set[str] = set()
@@ -166,11 +168,8 @@ class TcpConnector(KVConnectorBase):
         params = request.kv_transfer_params
         end = request.num_prompt_tokens - 1
         plan = block_plan(self.kv_cache_config, block_ids, end - num_external_tokens, end, with_state=True)
-        remote = params["remote_block_ids"]
-        self._pulls.append(PullSpec(
-            request.request_id, params["remote_request_id"], params["remote_host"], int(params["remote_port"]),
-            int(params.get("tp_size", 1)), [[p for p, _ in g] for g in plan],
-            [[ids[p] for p, _ in g] for g, ids in zip(plan, remote)], plan))
+        self._pulls.append(PullSpec(request.request_id, params["remote_request_id"], params["remote_host"],
+                                    int(params["remote_port"]), int(params.get("tp_size", 1)), plan))
         params["_pulled"] = True
 
     def build_connector_meta(self, scheduler_output) -> TcpConnectorMetadata:
@@ -209,16 +208,13 @@ class TcpConnector(KVConnectorBase):
         return gone
 
     # -- worker side: the prefill engine's side channel --------------------------------------
-    def _port(self, base: int, tp_rank: int) -> int:
-        return base + tp_rank
-
     def _start_server(self) -> None:
         import zmq
 
         self._ctx = zmq.Context()
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
-        port = self._port(self.config.kv_port + self.dp_rank * self.tp_size, self.rank)
+        port = self.config.kv_port + self.dp_rank * self.tp_size + self.rank
         sock.bind(f"tcp://{self.config.kv_ip}:{port}")
         t = threading.Thread(target=self._serve, args=(sock,), daemon=True, name="KVSideChannel")
         t.start()
@@ -287,17 +283,15 @@ class TcpConnector(KVConnectorBase):
             return [self._server_auth.seal(_ENC.encode(LayerData(
                 False, f"request {msg.request_id} is not held here (never prefilled, pulled already or expired)")))]
         names, dtypes, shapes, parts = [], [], [], []
-        for name, t in self.kv_caches.items():
-            if name.rpartition(".")[0] != msg.layer:
-                continue
-            g = self.group_of[name]
+        for name in self.layers[msg.layer]:
+            t, g = self.kv_caches[name], self.group_of[name]
             ids = [tables[g][p] for p in msg.positions[g]]
             if not ids:
                 continue
             data = t[torch.tensor(ids)]
-            if msg.heads is not None and self.head_split(name):
-                lo, hi = self._local_heads(msg.heads, t.shape[1])
-                data = data[:, lo:hi]
+            if msg.heads is not None and name in self._head_split:
+                first = self._first_head()
+                data = data[:, msg.heads[0] - first:msg.heads[1] - first]
             data = data.contiguous()
             names.append(name)
             dtypes.append(str(data.dtype))
@@ -310,26 +304,20 @@ class TcpConnector(KVConnectorBase):
         head = self._server_auth.seal(_ENC.encode(LayerData(True, "", names, dtypes, shapes)))
         return [head, self._server_auth.seal(b"".join(parts))]
 
-    def head_split(self, name: str) -> bool:
-        """Whether this tensor holds a slice of the KV heads on each rank (paged K/V), not the same on
-        every rank (MLA latents, indexer keys, V4's caches)."""
-        spec = self._specs[name]
-        return type(spec).__name__ == "FullAttentionSpec"
-
-    def _local_heads(self, heads: tuple[int, int], local: int) -> tuple[int, int]:
-        """Global KV heads [a, b) -> this rank's tensor's head index range."""
+    def _first_head(self) -> int:
+        """The first of the model's KV heads this rank's paged K/V holds."""
         total = self.layout.kv_heads
         if total >= self.tp_size:  # heads split evenly
-            first = self.rank * local
-        else:  # fewer heads than ranks: each held by tp / total ranks
-            first = self.rank // (self.tp_size // total)
-        return heads[0] - first, heads[1] - first
+            return self.rank * self._kv_heads_per_rank
+        return self.rank // (self.tp_size // total)  # fewer heads than ranks: each on tp / total ranks
 
     def register_kv_caches(self, kv_caches) -> None:
         super().register_kv_caches(kv_caches)
-        self._specs = {n: s for g in self.kv_cache_config.groups for n, s in zip(g.layer_names, g.specs)}
-        self._kv_heads_per_rank = next((s.num_kv_heads for s in self._specs.values()
-                                        if type(s).__name__ == "FullAttentionSpec"), 1)
+        # paged K/V holds a slice of the KV heads on each rank; MLA latents, indexer keys and V4's
+        # caches are the same on every rank
+        specs = {n: s for g in self.kv_cache_config.groups for n, s in zip(g.layer_names, g.specs)}
+        self._head_split = {n for n, s in specs.items() if isinstance(s, FullAttentionSpec)}
+        self._kv_heads_per_rank = next((specs[n].num_kv_heads for n in self._head_split), 1)
 
     # -- worker side: every step -------------------------------------------------------------
     def start_load_kv(self) -> None:
@@ -356,11 +344,8 @@ class TcpConnector(KVConnectorBase):
         """This rank's global KV heads, when the prefill side splits heads over fewer ranks."""
         if spec.remote_tp == self.tp_size:
             return None
-        total, local = self.layout.kv_heads, self._kv_heads_per_rank
-        if total >= self.tp_size:
-            return self.rank * local, (self.rank + 1) * local
-        head = self.rank // (self.tp_size // total)
-        return head, head + 1
+        first = self._first_head()
+        return first, first + self._kv_heads_per_rank
 
     def _remote_rank(self, spec: PullSpec) -> int:
         if self.tp_size % spec.remote_tp:
@@ -382,13 +367,11 @@ class TcpConnector(KVConnectorBase):
         auth = self._client_auth
         try:
             remote_rank = self._remote_rank(spec)
-            sock.connect(f"tcp://{spec.host}:{self._port(spec.port, remote_rank)}")
+            sock.connect(f"tcp://{spec.host}:{spec.port + remote_rank}")
             heads = self._heads_wanted(spec)
-            layers: dict[str, list[str]] = {}
-            for name in self.kv_caches:
-                layers.setdefault(name.rpartition(".")[0], []).append(name)
-            for layer in layers:
-                sock.send(auth.seal(_ENC.encode(PullLayer(spec.remote_request_id, layer, spec.remote_positions, heads))))
+            positions = spec.positions
+            for layer in self.layers:
+                sock.send(auth.seal(_ENC.encode(PullLayer(spec.remote_request_id, layer, positions, heads))))
                 frames = self._recv(sock, auth, 2)
                 head = _REP.decode(frames[0])
                 if not head.ok:

@@ -296,9 +296,7 @@ class ModelRunner:
     def _hands_over(self, s: ScheduledRequest) -> bool:
         """This step ends the prompt of a request whose KV, running state included, a decode
         engine pulls (PD disaggregation)."""
-        extra = s.state.sampling_params.extra_args
-        params = extra.get("kv_transfer_params") if extra else None
-        return bool(self._state_groups and params and params.get("do_remote_decode") and s.samples and not s.drafts)
+        return bool(self._state_groups) and s.state.sampling_params.hands_over_kv and s.samples and not s.drafts
 
     def _keep_verified(self, sampling: list[ScheduledRequest], tokens: list[list[int]],
                        handing: list[ScheduledRequest] = ()) -> None:
