@@ -40,30 +40,51 @@ def tp16_factors(n: int) -> tuple[float, float]:
     return (15 / 16) / ((n - 1) / n), 15 / (n - 1)
 
 
+COLLECTIVE_SIZES = [8 << 10, 64 << 10, 1 << 20]
+
+
 def _floor_rank(rank: int, world: int, port: int, sizes: list[int], out) -> None:
     import torch
     import torch.distributed as dist
 
+    from lane.distributed.parallel_state import GroupCoordinator
+    from lane.distributed.shm_comm import ShmCommunicator
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    res = {}
-    for n in sizes:
-        x = torch.ones(n)
-        for _ in range(20):
-            dist.all_reduce(x)
-        dist.barrier()
+    shm = ShmCommunicator.create(dist.group.WORLD, world, rank, 60.0)
+    ranks = list(range(world))
+    groups = {"gloo": GroupCoordinator("tp", ranks, rank, dist.group.WORLD),
+              "shm": GroupCoordinator("tp", ranks, rank, dist.group.WORLD, shm)} if shm else {
+        "gloo": GroupCoordinator("tp", ranks, rank, dist.group.WORLD)}
+    res: dict = {}
+    for nbytes in sizes:
+        x, y = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
         t0 = time.perf_counter()
         for _ in range(200):
-            dist.all_reduce(x)
-        res[n * 4] = (time.perf_counter() - t0) / 200 * 1e6
+            y.copy_(x)
+        res[("memcpy", nbytes)] = (time.perf_counter() - t0) / 200 * 1e6
+        for kind, g in groups.items():
+            ops = {"all_reduce": lambda: g.all_reduce(x, 0), "all_gather": lambda: g.all_gather(x, 0, dim=0),
+                   "reduce_scatter": lambda: g.reduce_scatter(x, [x.shape[0] // world + (r < x.shape[0] % world)
+                                                                   for r in range(world)], 0)}
+            for op, fn in ops.items():
+                for _ in range(20):
+                    fn()
+                dist.barrier()
+                t0 = time.perf_counter()
+                for _ in range(200):
+                    fn()
+                res[(f"{kind} {op}", nbytes)] = (time.perf_counter() - t0) / 200 * 1e6
     if rank == 0:
         out.put(res)
     dist.destroy_process_group()
 
 
-def collective_floor(world: int) -> dict[int, float]:
-    """Bytes -> microseconds of a bare gloo all-reduce between ``world`` processes on this machine
-    (nothing else running): the latency every collective of a step pays at least."""
+def collective_floor(world: int) -> dict[tuple[str, int], float]:
+    """(what, bytes) -> microseconds of a bare collective between ``world`` processes on this
+    machine (nothing else running), through gloo and through shared memory, and of a memcpy of
+    the same bytes: the latency every collective of a step pays at least."""
     import socket
 
     import torch.multiprocessing as mp
@@ -74,10 +95,10 @@ def collective_floor(world: int) -> dict[int, float]:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # as lane's ranks on one machine
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_floor_rank, args=(r, world, port, [576, 576 * 8, 49152], q)) for r in range(world)]
+    procs = [ctx.Process(target=_floor_rank, args=(r, world, port, COLLECTIVE_SIZES, q)) for r in range(world)]
     for p in procs:
         p.start()
-    res = q.get(timeout=300)
+    res = q.get(timeout=600)
     for p in procs:
         p.join()
     return res
@@ -145,10 +166,16 @@ def main() -> None:
     headline: dict = {}
     for world in (2, 3):
         floor = collective_floor(world)
-        print(f"bare gloo all-reduce, {world} processes: " + ", ".join(f"{b / 1024:.1f} KiB {us:.0f} us"
-                                                                        for b, us in floor.items()), flush=True)
-        headline[f"floor_allreduce_us_{world}ranks"] = {str(b): round(us, 1) for b, us in floor.items()}
-    for name in args.models.split(","):
+        print(f"collectives between {world} processes on this machine (us a call; ratio: gloo / shm):")
+        for nbytes in COLLECTIVE_SIZES:
+            cells = []
+            for op in ("all_reduce", "all_gather", "reduce_scatter"):
+                g, m = floor[(f"gloo {op}", nbytes)], floor.get((f"shm {op}", nbytes))
+                cells.append(f"{op} gloo {g:7.1f} shm {m:6.1f} ({g / m:4.1f}x)" if m else f"{op} gloo {g:7.1f}")
+            print(f"  {nbytes / 1024:6.0f} KiB  memcpy {floor[('memcpy', nbytes)]:6.1f}  " + "  ".join(cells),
+                  flush=True)
+        headline[f"collectives_us_{world}ranks"] = {f"{k} {b}": round(us, 1) for (k, b), us in floor.items()}
+    for name in filter(None, args.models.split(",")):
         model, layouts = models[name]
         for batch in map(int, args.batch_sizes.split(",")):
             base = None

@@ -3,7 +3,9 @@
 ``GroupCoordinator`` whose collectives count calls, bytes and seconds per seed step, so
 traces and ``benchmarks/parallel.py`` show what each all-reduce and gather costs.
 
-On a CPU the groups are gloo's; on CUDA, NCCL's. A replica's world is its tensor-parallel
+On a CPU the groups are gloo's, and the ranks of one machine exchange tensors through a
+shared-memory segment instead (``shm_comm.py``: tens of microseconds where gloo's loopback
+TCP takes a millisecond); on CUDA, NCCL's. A replica's world is its tensor-parallel
 ranks; the expert-parallel group is the same ranks (ep = tp) or no one (ep = 1).
 """
 from __future__ import annotations
@@ -29,8 +31,8 @@ class GroupCoordinator:
     """A group of ranks and its collectives. ``group`` None: a group of one, whose
     collectives return their input."""
 
-    def __init__(self, name: str, ranks: list[int], rank: int, group=None) -> None:
-        self.name, self.ranks, self.group = name, ranks, group
+    def __init__(self, name: str, ranks: list[int], rank: int, group=None, shm=None) -> None:
+        self.name, self.ranks, self.group, self.shm = name, ranks, group, shm
         self.world_size = len(ranks)
         self.rank_in_group = ranks.index(rank) if rank in ranks else 0
         self.stats: dict[int, CollectiveStats] = {}  # seed step -> totals
@@ -44,19 +46,14 @@ class GroupCoordinator:
             prof.count(step, **{f"{kind}_bytes": nbytes, f"{kind}_ms": dt * 1e3, "collectives": 1})
 
     def all_reduce(self, x: torch.Tensor, step: int) -> torch.Tensor:
-        """Sum x over the group, in place (a half-precision tensor is summed in float32 on
-        gloo, which reduces those slowly or not at all)."""
+        """Sum x over the group, in place."""
         if self.world_size == 1:
             return x
-        import torch.distributed as dist
-
         t0 = time.perf_counter()
-        if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16):
-            wide = x.float()
-            dist.all_reduce(wide, group=self.group)
-            x.copy_(wide)
+        if self.shm is not None and self.shm.supports(x):
+            self.shm.all_reduce(x)
         else:
-            dist.all_reduce(x, group=self.group)
+            self._all_reduce_quiet(x)
         self._count(step, "allreduce", x.numel() * x.element_size(), t0)
         return x
 
@@ -68,10 +65,73 @@ class GroupCoordinator:
 
         t0 = time.perf_counter()
         x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        dist.all_gather(parts, x, group=self.group)
+        if self.shm is not None and self.shm.supports(x):
+            parts = list(self.shm.all_gather(x).unbind(0))
+        else:
+            parts = [torch.empty_like(x) for _ in range(self.world_size)]
+            dist.all_gather(parts, x, group=self.group)
         self._count(step, "allgather", x.numel() * x.element_size() * self.world_size, t0)
         return torch.cat(parts, dim=dim)
+
+    def all_gather_rows(self, x: torch.Tensor, splits: list[int], step: int) -> torch.Tensor:
+        """Every rank's rows (dim 0, ``splits[r]`` of them on rank r; they may differ by one)
+        concatenated in rank order: the inverse of ``reduce_scatter``'s split."""
+        if self.world_size == 1:
+            return x
+        most = max(splits)
+        if x.shape[0] < most:  # equal shapes for the gather, the padding dropped after
+            x = torch.cat([x, x.new_zeros((most - x.shape[0],) + tuple(x.shape[1:]))])
+        whole = self.all_gather(x, step, dim=0)
+        if all(n == most for n in splits):
+            return whole
+        return torch.cat([whole[r * most:r * most + n] for r, n in enumerate(splits)])
+
+    def reduce_scatter(self, x: torch.Tensor, splits: list[int], step: int) -> torch.Tensor:
+        """The sum over ranks of x's rows for this rank (dim 0 split as ``splits``: rank r gets
+        ``splits[r]`` rows, starting after the ranks before it)."""
+        if self.world_size == 1:
+            return x
+        t0 = time.perf_counter()
+        if self.shm is not None and self.shm.supports(x):
+            out = self.shm.reduce_scatter(x, splits)
+        else:  # gloo has no reduce-scatter: the whole sum, then this rank's rows
+            start = sum(splits[:self.rank_in_group])
+            out = self._all_reduce_quiet(x.clone()).narrow(0, start, splits[self.rank_in_group]).clone()
+        self._count(step, "reducescatter", x.numel() * x.element_size(), t0)
+        return out
+
+    def all_to_all(self, x: torch.Tensor, send_counts: list[int], step: int) -> tuple[torch.Tensor, list[int]]:
+        """Rows of x in rank order, ``send_counts[q]`` to rank q; returns the rows received (rank
+        order) and how many came from each rank."""
+        if self.world_size == 1:
+            return x, list(send_counts)
+        import torch.distributed as dist
+
+        t0 = time.perf_counter()
+        x = x.contiguous()
+        if self.shm is not None and self.shm.supports(x):
+            out, recv = self.shm.all_to_all(x, send_counts, group=self.group)
+        else:
+            counts = torch.tensor(send_counts, dtype=torch.int64)
+            got = torch.empty_like(counts)
+            dist.all_to_all_single(got, counts, group=self.group)
+            recv = got.tolist()
+            out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
+            dist.all_to_all_single(out, x, recv, list(send_counts), group=self.group)
+        self._count(step, "alltoall", x.numel() * x.element_size(), t0)
+        return out, recv
+
+    def _all_reduce_quiet(self, x: torch.Tensor) -> torch.Tensor:
+        """gloo's all-reduce in place (half precision summed in float32: gloo reduces those
+        slowly or not at all); not counted."""
+        import torch.distributed as dist
+
+        if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16):
+            wide = x.float()
+            dist.all_reduce(wide, group=self.group)
+            return x.copy_(wide)
+        dist.all_reduce(x, group=self.group)
+        return x
 
     def broadcast(self, x: torch.Tensor, step: int) -> torch.Tensor:
         """The group's first rank's x, in place on every rank."""
@@ -139,7 +199,13 @@ def init_distributed(world_size: int, rank: int, master_addr: str, master_port: 
     dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", world_size=world_size,
                             rank=rank, timeout=datetime.timedelta(seconds=timeout_s))
     ranks = list(range(world_size))
-    tp = GroupCoordinator("tp", ranks, rank, dist.group.WORLD)
-    ep = GroupCoordinator("ep", ranks, rank, dist.group.WORLD) if expert_parallel else GroupCoordinator("ep", [rank], rank)
+    shm = None
+    if backend == "gloo" and world_size > 1:
+        from lane.distributed.shm_comm import ShmCommunicator
+
+        shm = ShmCommunicator.create(dist.group.WORLD, world_size, rank, timeout_s)
+    tp = GroupCoordinator("tp", ranks, rank, dist.group.WORLD, shm)
+    ep = (GroupCoordinator("ep", ranks, rank, dist.group.WORLD, shm) if expert_parallel
+          else GroupCoordinator("ep", [rank], rank))
     return tp, ep
 

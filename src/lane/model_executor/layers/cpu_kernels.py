@@ -41,7 +41,7 @@ _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 # the longest to compile first, so the parallel build ends with the short ones (quant_x8.cpp takes
 # a third of the total alone)
 _SOURCES = ("quant_x8.cpp", "paged_attention.cpp", "int8_linear.cpp", "kquant.cpp", "prefill_attention.cpp",
-            "gemv.cpp", "elementwise.cpp", "quant_linear.cpp", "module.cpp", "dequant.cpp", "decode_layers.cpp",
+            "gemv.cpp", "elementwise.cpp", "shm_comm.cpp", "quant_linear.cpp", "module.cpp", "dequant.cpp", "decode_layers.cpp",
             "threads.cpp")
 # round as the numpy reference does
 _SOURCE_CFLAGS = {"dequant.cpp": ["-ffp-contract=off"], "kquant.cpp": ["-ffp-contract=off"]}
@@ -182,6 +182,12 @@ def build() -> bool:
 
 def available() -> bool:
     return _lib is not None
+
+
+def native():
+    """The loaded module itself (None until built), for code outside the layers that calls its
+    functions directly: the shared-memory collectives."""
+    return _lib
 
 
 def isa() -> str | None:

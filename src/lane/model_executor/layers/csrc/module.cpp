@@ -47,6 +47,15 @@ void lane_dequant_kquant(const void*, int, int64_t, void*, int, int);
 void lane_quantize_rows_q8k(const void*, int, int8_t*, float*, int16_t*, int64_t, int64_t);
 void lane_kquant_sub_dots(const int8_t*, const void*, int, int32_t*, int64_t, int64_t, int64_t);
 void lane_kquant_linear(const void*, int, const void*, int, const float*, void*, int, int64_t, int64_t, int64_t, int);
+void lane_shm_attach(void*, int, int64_t);
+void lane_shm_layout(int, int64_t, int64_t*);
+void lane_shm_barrier(void*, int, int, int64_t, double, int32_t*);
+void lane_shm_all_reduce(void*, int, int, int64_t, int64_t, const void*, void*, int64_t, int, int64_t, double, int32_t*);
+void lane_shm_reduce_scatter(void*, int, int, int64_t, int64_t, const void*, int64_t, int64_t, int64_t, void*, int,
+                             int64_t, double, int32_t*);
+void lane_shm_all_gather(void*, int, int, int64_t, int64_t, const void*, int64_t, void*, int64_t, double, int32_t*);
+void lane_shm_all_to_all(void*, int, int, int64_t, int64_t, const void*, int64_t, const int64_t*, const int64_t*, void*,
+                         double, int32_t*);
 }
 
 namespace {
@@ -58,6 +67,7 @@ void get(PyObject* o, T*& v) {  // a pointer: an int (Tensor.data_ptr()), or Non
 void get(PyObject* o, int64_t& v) { v = PyLong_AsLongLong(o); }
 void get(PyObject* o, int& v) { v = static_cast<int>(PyLong_AsLong(o)); }
 void get(PyObject* o, float& v) { v = static_cast<float>(PyFloat_AsDouble(o)); }
+void get(PyObject* o, double& v) { v = PyFloat_AsDouble(o); }
 
 // Parse every argument by the kernel's own parameter types, then run it without the GIL.
 template <typename... A>
@@ -91,6 +101,8 @@ PyMethodDef methods[] = {
     LANE_DEF(lane_dequant_kquant), LANE_DEF(lane_quantize_rows_q8k),
     LANE_DEF(lane_kquant_sub_dots), LANE_DEF(lane_kquant_linear), LANE_DEF(lane_repack_x8),
     LANE_DEF(lane_quant_x8_block_dots), LANE_DEF(lane_quant_x8_linear), LANE_DEF(lane_dequant_ggml_x8), LANE_DEF(lane_dequant_x8_rows),
+    LANE_DEF(lane_shm_attach), LANE_DEF(lane_shm_layout), LANE_DEF(lane_shm_barrier), LANE_DEF(lane_shm_all_reduce),
+    LANE_DEF(lane_shm_reduce_scatter), LANE_DEF(lane_shm_all_gather), LANE_DEF(lane_shm_all_to_all),
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "lane_kernels", "lane's CPU kernels", -1, methods};
