@@ -44,12 +44,15 @@ def _engine_kw(arch: str) -> dict:
                 kv_cache_memory_bytes={"llama": 48 << 10, "qwen3": 48 << 10}.get(arch, 4 << 20))
 
 
-@pytest.mark.parametrize("arch,ep", [("llama", False), ("qwen3", False), ("deepseek_v3", False),
-                                     ("deepseek_v3", True), ("deepseek_v32", False), ("deepseek_v4", False),
-                                     ("deepseek_v4", True)])
-def test_two_ranks_equal_one(tiny, arch, ep):
-    """TP=2 (or EP=2: whole experts per rank) gives TP=1's greedy tokens, with chunked prefill,
-    prefix-cache hits and (Llama, Qwen3) preemption; each rank holds at most 0.6x the weights."""
+@pytest.mark.parametrize("arch,ep,sp", [("llama", False, False), ("llama", False, True), ("qwen3", False, False),
+                                        ("qwen3", False, True), ("deepseek_v3", False, False),
+                                        ("deepseek_v3", True, True), ("deepseek_v32", False, True),
+                                        ("deepseek_v4", False, False), ("deepseek_v4", True, True)])
+def test_two_ranks_equal_one(tiny, arch, ep, sp):
+    """TP=2 (or EP=2: whole experts per rank; or SP: each rank holds only its rows between
+    attention and the FFN, a decode of one row leaving a rank none) gives TP=1's greedy tokens,
+    with chunked prefill, prefix-cache hits and (Llama, Qwen3) preemption; each rank holds at
+    most 0.6x the weights."""
     kw = _engine_kw(arch)
     ref = LLM(tiny[arch], **kw)
     want = _tokens(ref)
@@ -57,7 +60,7 @@ def test_two_ranks_equal_one(tiny, arch, ep):
     ref_preempted = ref.engine.scheduler.num_preemptions
     ref_heat = ref.engine.executor.expert_counts() if arch.startswith("deepseek") else None
     ref.shutdown()
-    llm = LLM(tiny[arch], tensor_parallel_size=2, enable_expert_parallel=ep, **kw)
+    llm = LLM(tiny[arch], tensor_parallel_size=2, enable_expert_parallel=ep, enable_sequence_parallel=sp, **kw)
     try:
         assert _tokens(llm) == want
         sched = llm.engine.scheduler
@@ -73,17 +76,18 @@ def test_two_ranks_equal_one(tiny, arch, ep):
         llm.shutdown()
 
 
-@pytest.mark.parametrize("arch,spec", [("deepseek_v4", {"method": "mtp", "num_speculative_tokens": 2}),
-                                       ("llama", {"method": "ngram", "num_speculative_tokens": 3,
-                                                  "prompt_lookup_min": 1, "prompt_lookup_max": 2})])
-def test_speculation_over_two_ranks_equals_one_rank_without(tiny, arch, spec):
-    """Drafts at TP=2 (every rank drafts and verifies alike, from the same gathered logits):
+@pytest.mark.parametrize("arch,spec,sp", [("deepseek_v4", {"method": "mtp", "num_speculative_tokens": 2}, True),
+                                          ("llama", {"method": "ngram", "num_speculative_tokens": 3,
+                                                     "prompt_lookup_min": 1, "prompt_lookup_max": 2}, False)])
+def test_speculation_over_two_ranks_equals_one_rank_without(tiny, arch, spec, sp):
+    """Drafts at TP=2 (every rank drafts and verifies alike, from the same gathered logits; V4's
+    MTP block with sequence parallelism, its embedding scattered and its streams gathered):
     TP=1's tokens without speculation, prefill chunks and prefix hits included."""
     kw = _engine_kw(arch)
     ref = LLM(tiny[arch], **kw)
     want = _tokens(ref)
     ref.shutdown()
-    llm = LLM(tiny[arch], tensor_parallel_size=2, speculative_config=spec, **kw)
+    llm = LLM(tiny[arch], tensor_parallel_size=2, speculative_config=spec, enable_sequence_parallel=sp, **kw)
     try:
         assert _tokens(llm) == want
         s = llm.engine.scheduler.make_stats().spec_decoding
@@ -130,6 +134,26 @@ def test_smollm_gguf_tp3_equals_tp1_and_records_collectives(smollm_gguf):
         assert {"runner", "runner (rank 1)", "comm (rank 2)"} <= tracks
     finally:
         llm.shutdown()
+    # sequence parallelism: the same tokens; the embedding's reduce-scatter leaves each rank its
+    # rows (step 22, the rows per rank in the span), attention and the FFN reduce-scatter (28, 31)
+    tracer.enable()
+    tracer.drain()
+    try:
+        llm = LLM(smollm_gguf, quantization="none", tensor_parallel_size=3, enable_sequence_parallel=True, **FP32)
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want
+        spans = tracer.drain()
+    finally:
+        tracer.enabled = False
+        tracer.drain()
+        llm.shutdown()
+    sp = [s for s in spans if s.step == Step.COMM_SP_SCATTER]
+    assert {s.attrs["rank"] for s in sp} == {0, 1, 2}
+    n = len(llm.tokenizer.encode(prompts[0])) + len(llm.tokenizer.encode(prompts[1]))  # the first step's rows
+    assert any(sum(map(int, s.attrs["rows_per_rank"].split("/"))) == n for s in sp)
+    assert all(s.attrs.get("allgather_bytes", 0) > 0 and s.attrs.get("reducescatter_bytes", 0) > 0 for s in sp)
+    for step in (Step.COMM_ATTN_REDUCE, Step.COMM_FFN_REDUCE):
+        assert all(s.attrs.get("reducescatter_bytes", 0) > 0 and not s.attrs.get("allreduce_bytes")
+                   for s in spans if s.step == step), step
 
 
 def test_smollm_quantized_blocks_split_on_block_boundaries(smollm_gguf):
@@ -169,6 +193,7 @@ def _lane(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     (["generate", "hi", "--enable-expert-parallel", "-tp", "3"], "needs a model with routed experts"),
     (["serve", "--nnodes", "2", "--node-rank", "1", "-tp", "2"], "--node-rank 1 runs workers only: add --headless"),
     (["serve", "--nnodes", "2", "-tp", "3"], "--nnodes 2 does not divide tensor_parallel_size 3"),
+    (["generate", "hi", "--enable-sequence-parallel"], "--enable-sequence-parallel splits each step's rows"),
 ])
 def test_impossible_layouts_are_refused_with_the_numbers(args, message):
     r = _lane(*args)

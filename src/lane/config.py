@@ -224,8 +224,13 @@ class ParallelConfig:
     rpc_secret_file: str | None = None  # signs the engine's messages to other machines (rpc_auth)
     enable_eplb: bool = False  # expert-parallel load balancing (eplb/)
     eplb_config: EplbConfig = field(default_factory=EplbConfig)
+    # between attention and the FFN each tensor-parallel rank holds only its rows
+    enable_sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
+        if self.enable_sequence_parallel and self.tensor_parallel_size == 1:
+            raise ValueError("--enable-sequence-parallel splits each step's rows over the tensor-parallel ranks: "
+                             "it needs --tensor-parallel-size > 1")
         if self.enable_eplb and not self.enable_expert_parallel:
             raise ValueError("--enable-eplb balances whole experts over the expert-parallel ranks: it requires "
                              "--enable-expert-parallel")
@@ -462,6 +467,7 @@ class EngineArgs:
     rpc_secret_file: str | None = None
     enable_eplb: bool = False
     eplb_config: dict | str | None = None  # JSON text or a dict (EplbConfig's fields)
+    enable_sequence_parallel: bool = False
     speculative_config: dict | str | None = None  # JSON text or a dict (SpeculativeConfig's fields)
     kv_transfer_config: dict | str | None = None  # JSON text or a dict (KVTransferConfig's fields)
     device: str | None = None  # None / "auto": the CPU (the only device lane runs on yet)
@@ -470,7 +476,8 @@ class EngineArgs:
         return ParallelConfig(self.tensor_parallel_size, self.data_parallel_size, self.enable_expert_parallel,
                               self.distributed_executor_backend, self.nnodes, self.node_rank, self.master_addr,
                               self.master_port, self.worker_timeout, self.rpc_secret_file, self.enable_eplb,
-                              EplbConfig.parse(self.eplb_config))
+                              EplbConfig.parse(self.eplb_config),
+                              enable_sequence_parallel=self.enable_sequence_parallel)
 
     def create_model_config(self) -> ModelConfig:
         return ModelConfig(self.model, dtype=self.dtype, max_model_len=self.max_model_len, seed=self.seed,

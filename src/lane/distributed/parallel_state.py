@@ -157,9 +157,44 @@ class ExpertPlacement:
     num_redundant_experts: int = 0
 
 
+def row_splits(num_rows: int, world: int) -> list[int]:
+    """Rows per rank when ``num_rows`` are split over ``world`` ranks: equal shares, the first
+    ``num_rows % world`` ranks one more (a rank may get none: a decode step of one row)."""
+    return [num_rows // world + (1 if r < num_rows % world else 0) for r in range(world)]
+
+
+@dataclass
+class SequenceParallel:
+    """Sequence parallelism (``--enable-sequence-parallel``): between attention and the FFN
+    each tensor-parallel rank holds only its rows of the residual stream. ``splits``: the
+    rows per rank of the forward under way (set at its start, ``begin``)."""
+    enabled: bool = False
+    splits: list[int] | None = None
+
+
 _TP = GroupCoordinator("tp", [0], 0)
 _EP = GroupCoordinator("ep", [0], 0)
 _PLACEMENT = ExpertPlacement()
+_SP = SequenceParallel()
+
+
+def set_sequence_parallel(enabled: bool) -> None:
+    """What the model built next runs with (every worker sets it before building its model)."""
+    _SP.enabled, _SP.splits = enabled, None
+
+
+def sequence_parallel_begin(num_rows: int) -> list[int] | None:
+    """A forward of ``num_rows`` rows starts: under sequence parallelism, the rows each rank
+    will hold (None without it, or at one rank)."""
+    if not _SP.enabled or _TP.world_size == 1:
+        return None
+    _SP.splits = row_splits(num_rows, _TP.world_size)
+    return _SP.splits
+
+
+def sequence_parallel_splits() -> list[int] | None:
+    """The rows per rank of the forward under way; None without sequence parallelism."""
+    return _SP.splits if _SP.enabled and _TP.world_size > 1 else None
 
 
 def get_tp_group() -> GroupCoordinator:

@@ -319,7 +319,8 @@ class EngineCoreProc:
             tracer.drain() if tracer.enabled else None,
             skipped_steps(config.model_config.hf_config, config.parallel_config.tensor_parallel_size,
                           config.speculative_config is not None, config.kv_transfer_config is not None,
-                          eplb=config.parallel_config.enable_eplb)
+                          eplb=config.parallel_config.enable_eplb,
+                          sequence_parallel=config.parallel_config.enable_sequence_parallel)
             if tracer.enabled else None,
             occasional_steps(config.parallel_config.eplb_config if config.parallel_config.enable_eplb else None,
                              config.kv_transfer_config) if tracer.enabled else None))

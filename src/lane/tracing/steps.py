@@ -100,11 +100,13 @@ DECODE_STEP = {Step.SCHEDULER_SCHEDULE: Step.SCHEDULER_DECODE_BATCH, Step.KV_ALL
 
 
 def skipped_steps(hf_config, tensor_parallel_size: int = 1, speculative: bool = False,
-                  pd_disaggregation: bool = False, eplb: bool = False) -> dict[int, str]:
+                  pd_disaggregation: bool = False, eplb: bool = False,
+                  sequence_parallel: bool = False) -> dict[int, str]:
     """Steps this model and set-up never perform, and why (shown greyed in a trace)."""
     moe = any(getattr(hf_config, k, None) for k in ("n_routed_experts", "num_local_experts", "num_experts"))
     out: dict[int, str] = {}
-    out[Step.COMM_SP_SCATTER] = "no sequence parallelism"
+    if not sequence_parallel:
+        out[Step.COMM_SP_SCATTER] = "no sequence parallelism (--enable-sequence-parallel)"
     out[Step.COMM_CP_GATHER] = "no context parallelism"
     if tensor_parallel_size == 1:
         single = "single rank (TP=1): no process groups"

@@ -7,6 +7,10 @@ tensor (``shard``: dense tensors and GGUF blocks alike; blocks split on block bo
   KV heads fewer than ranks are replicated (rank r holds KV head r // (tp / kv)).
 - Row parallel: input columns split; the partial products are summed by an all-reduce
   (seed step 28 after attention, 31 after the FFN), its bias counted once (rank 0's).
+- Sequence parallel (``--enable-sequence-parallel``): those all-reduces become reduce-scatters
+  that leave each rank only its rows (the embedding's is step 22, "each rank keeps its rows");
+  norms and mHC run on those rows, and ``gather_rows`` all-gathers them where a layer needs
+  every row (attention, the FFN, the final hidden states).
 - Vocabulary parallel: rank r holds vocabulary rows [r * s, (r + 1) * s), s = ceil(V / tp);
   an embedding lookup sums the ranks' rows (each is zero outside its range), the LM head's
   logits are gathered from the shards (step 33).
@@ -18,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from lane import tracing
-from lane.distributed.parallel_state import GroupCoordinator, get_tp_group
+from lane.distributed.parallel_state import GroupCoordinator, get_tp_group, sequence_parallel_splits
 from lane.model_executor.layers.linear import Linear
 from lane.model_executor.layers.vocab_embedding import VocabEmbedding
 from lane.tracing import Step
@@ -31,17 +35,43 @@ def _check_rows(tensor, dim: int, want: int, what: str) -> None:
 
 
 def reduce_partial(tp: GroupCoordinator, y: torch.Tensor, step: int, compute_step: int | None = None) -> torch.Tensor:
-    """All-reduce a row-parallel partial sum at ``step``; ``compute_step``: the step whose time
-    ends here (the FFN's, before its reduce), so the trace splits compute from the collective."""
+    """All-reduce a row-parallel partial sum at ``step`` (under sequence parallelism: reduce-scatter
+    it, this rank's rows only); ``compute_step``: the step whose time ends here (the FFN's, before
+    its reduce), so the trace splits compute from the collective."""
     if tp.world_size == 1:
         return y
     mark = tracing.forward_mark()
     if compute_step is not None:
         mark(compute_step)
-    tp.all_reduce(y, step)
+    splits = sequence_parallel_splits()
+    y = tp.all_reduce(y, step) if splits is None else tp.reduce_scatter(y, splits, step)
     if compute_step is not None:
         mark(step)
     return y
+
+
+def gather_rows(x: torch.Tensor, compute_step: int | None = None) -> torch.Tensor:
+    """Under sequence parallelism, every rank's rows of x all-gathered (step 22) for a layer
+    that needs them all; otherwise x. ``compute_step``: the step whose time ends here."""
+    splits = sequence_parallel_splits()
+    if splits is None:
+        return x
+    mark = tracing.forward_mark()
+    if compute_step is not None:
+        mark(compute_step)
+    x = get_tp_group().all_gather_rows(x, splits, Step.COMM_SP_SCATTER)
+    mark(Step.COMM_SP_SCATTER)
+    return x
+
+
+def own_rows(x: torch.Tensor) -> torch.Tensor:
+    """Under sequence parallelism, this rank's rows of a tensor every rank holds whole (no
+    communication); otherwise x."""
+    splits = sequence_parallel_splits()
+    if splits is None:
+        return x
+    r = get_tp_group().rank_in_group
+    return x.narrow(0, sum(splits[:r]), splits[r])
 
 
 class ColumnParallelLinear(Linear):
@@ -142,6 +172,12 @@ class VocabParallelEmbedding(VocabEmbedding):
         inside = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
         out = super().forward(torch.where(inside, input_ids - self.vocab_start, 0))
         out.masked_fill_(~inside[..., None], 0)
+        splits = sequence_parallel_splits()
+        if splits is not None:  # step 22: the scatter that leaves each rank its rows
+            tracing.forward_mark()(Step.OPS_INPUT_NORM)
+            out = self.tp.reduce_scatter(out, splits, Step.COMM_SP_SCATTER)
+            tracing.forward_mark()(Step.COMM_SP_SCATTER, rows_per_rank="/".join(map(str, splits)))
+            return out
         return self.tp.all_reduce(out, Step.OPS_INPUT_NORM)
 
 

@@ -26,14 +26,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lane import platform, tracing
-from lane.distributed.parallel_state import get_tp_group
+from lane.distributed.parallel_state import get_tp_group, sequence_parallel_begin
 from lane.tracing import Step
 from lane.model_executor.layers.fused_moe import FusedMoE, fused_expert_name, grouped_topk
 from lane.model_executor.layers.indexer import Indexer
 from lane.model_executor.layers.layernorm import RMSNorm
 from lane.model_executor.layers.linear import Linear
 from lane.model_executor.layers.parallel_linear import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
-                                                        VocabParallelEmbedding, reduce_partial)
+                                                        VocabParallelEmbedding, gather_rows, own_rows,
+                                                        reduce_partial)
 from lane.model_executor.layers.rotary_embedding import RotaryEmbedding
 from lane.model_executor.loader.safetensors_loader import materialize
 from lane.model_executor.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
@@ -231,11 +232,12 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         """MTP layer i at positions t: eh_proj(cat[enorm(emb(x_{t+1})), hnorm(h_t)]) -> one
         decoder block. Returns its hidden states (fed back for the next draft)."""
         layer = self.mtp[i]
-        e = self.model.embed_tokens(input_ids)
-        e = e.masked_fill((positions == 0)[:, None], 0.0)  # position 0 has no previous token (as vLLM)
-        x = layer.eh_proj(torch.cat((layer.enorm(e), layer.hnorm(source)), dim=-1))
+        sequence_parallel_begin(input_ids.shape[0])
+        e = self.model.embed_tokens(input_ids)  # this rank's rows under sequence parallelism
+        e = e.masked_fill(own_rows(positions == 0)[:, None], 0.0)  # position 0 has no previous token (as vLLM)
+        x = layer.eh_proj(torch.cat((layer.enorm(e), layer.hnorm(own_rows(source))), dim=-1))
         h, residual = layer(self.model.rotary.prepare(positions, x.dtype), x, None)
-        return h + residual
+        return gather_rows(h + residual)
 
     def mtp_logits(self, hidden: torch.Tensor, i: int = 0) -> torch.Tensor:
         head = self.mtp[i].shared_head

@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lane import platform, tracing
-from lane.distributed.parallel_state import get_tp_group
+from lane.distributed.parallel_state import get_tp_group, sequence_parallel_begin
 from lane.tracing import Step
 from lane.model_executor.layers.compressed_attention import (V4AttentionCache, V4RMSNorm, attend_with_sinks,
                                                              rope_tail, unweighted_rms_norm)
@@ -34,7 +34,8 @@ from lane.model_executor.layers import cpu_kernels
 from lane.model_executor.layers.linear import Linear, linear
 from lane.model_executor.loader.safetensors_loader import materialize
 from lane.model_executor.layers.parallel_linear import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
-                                                        VocabParallelEmbedding, reduce_partial, shard_param)
+                                                        VocabParallelEmbedding, gather_rows, own_rows, reduce_partial,
+                                                        shard_param)
 
 logger = logging.getLogger(__name__)
 
@@ -271,7 +272,7 @@ class HyperConnection(nn.Module):
     def forward(self, streams: torch.Tensor):
         """streams [T, hc, D] -> post [T, hc], comb [T, hc, hc], collapsed [T, D]"""
         hc = self.hc
-        flat = unweighted_rms_norm(streams.reshape(streams.shape[0], -1).float(), self.norm_eps)
+        flat = unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps)
         mix = linear(flat, self.fn)
         pre_w, post_w, comb_w = mix.split([hc, hc, hc * hc], dim=-1)
         pre_b, post_b, comb_b = self.base.split([hc, hc, hc * hc])
@@ -304,7 +305,7 @@ class HyperHead(nn.Module):
         self.hc_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        flat = unweighted_rms_norm(streams.reshape(streams.shape[0], -1).float(), self.norm_eps)
+        flat = unweighted_rms_norm(streams.flatten(1).float(), self.norm_eps)
         pre = torch.sigmoid(linear(flat, self.hc_fn) * self.hc_scale + self.hc_base) + self.hc_eps
         return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
 
@@ -387,13 +388,15 @@ class DeepseekV4Block(nn.Module):
             setattr(self, f"hc_{part}", h)
 
     def forward(self, streams: torch.Tensor, positions: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """streams: the rows this rank holds (its own under sequence parallelism: mHC and the
+        norms run on them, attention and the FFN gather every row first)."""
         mark = tracing.forward_mark()
         post, comb, x = self.hc_attn(streams)
-        x = self.attn_norm(x)
+        x = gather_rows(self.attn_norm(x), Step.OPS_INPUT_NORM)
         mark(Step.OPS_INPUT_NORM)
         streams = hc_apply(streams, post, comb, self.attn(x, positions))
         post, comb, x = self.hc_ffn(streams)
-        x = self.ffn_norm(x)
+        x = gather_rows(self.ffn_norm(x), Step.OPS_INPUT_NORM)
         mark(Step.OPS_INPUT_NORM)
         streams = hc_apply(streams, post, comb, self.ffn(x, input_ids))
         mark(Step.OPS_FFN)
@@ -462,13 +465,14 @@ class DeepseekV4ForCausalLM(nn.Module):
         self._streams: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        sequence_parallel_begin(input_ids.shape[0])
         x = self.embed_tokens(input_ids)
         streams = x.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
         for layer in self.layers:
             streams = layer(streams, positions, input_ids)
         if self.keep_streams:
-            self._streams = streams
-        out = self.norm(self.hc_head(streams))
+            self._streams = gather_rows(streams)
+        out = gather_rows(self.norm(self.hc_head(streams)), Step.MODEL_LM_HEAD)
         tracing.forward_mark()(Step.MODEL_LM_HEAD)
         return out
 
@@ -492,9 +496,10 @@ class DeepseekV4ForCausalLM(nn.Module):
                     i: int = 0) -> torch.Tensor:
         """MTP block i at positions t, from streams X_t and tokens x_{t+1} -> its streams."""
         layer = self.mtp[i]
-        e = layer.e_proj(layer.enorm(self.embed_tokens(input_ids)))
-        streams = e.unsqueeze(1) + layer.h_proj(layer.hnorm(source))
-        return layer(streams, positions, input_ids)
+        sequence_parallel_begin(input_ids.shape[0])
+        e = layer.e_proj(layer.enorm(self.embed_tokens(input_ids)))  # this rank's rows under sequence parallelism
+        streams = e.unsqueeze(1) + layer.h_proj(layer.hnorm(own_rows(source)))
+        return gather_rows(layer(streams, positions, input_ids))
 
     def mtp_logits(self, streams: torch.Tensor, i: int = 0) -> torch.Tensor:
         layer = self.mtp[i]

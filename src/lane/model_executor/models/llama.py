@@ -19,8 +19,10 @@ from lane.model_executor.layers.layernorm import RMSNorm
 from lane.model_executor.layers import cpu_kernels
 from lane.distributed.parallel_state import get_tp_group
 from lane.model_executor.layers.linear import Linear
+from lane.distributed.parallel_state import sequence_parallel_begin
 from lane.model_executor.layers.parallel_linear import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
-                                                        VocabParallelEmbedding, local_kv_heads, qkv_parallel_linear)
+                                                        VocabParallelEmbedding, gather_rows, local_kv_heads,
+                                                        qkv_parallel_linear)
 from lane.model_executor.layers.vocab_embedding import VocabEmbedding
 from lane.model_executor.loader.gguf_loader import GGMLBlocks
 from lane.model_executor.loader.safetensors_loader import materialize
@@ -97,15 +99,19 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, rope, x, residual):
+        """x, residual: the rows of the residual stream this rank holds (all of them, or its own
+        under sequence parallelism, where attention and the FFN gather every row first)."""
         mark = tracing.forward_mark()  # seed steps 21-30, summed over layers when tracing
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
+        x = gather_rows(x, Step.OPS_INPUT_NORM)
         mark(Step.OPS_INPUT_NORM)
         x = self.self_attn(rope, x)
         x, residual = self.post_attention_layernorm(x, residual)
+        x = gather_rows(x, Step.OPS_INPUT_NORM)
         mark(Step.OPS_INPUT_NORM)
         x = self.mlp(x)
         mark(Step.OPS_FFN)
@@ -135,6 +141,7 @@ class LlamaModel(nn.Module):
         return self._fused
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        sequence_parallel_begin(input_ids.shape[0])
         x = self.embed_tokens(input_ids)
         tracing.forward_mark()(Step.OPS_INPUT_NORM)
         md = get_forward_context().attn_metadata
@@ -147,6 +154,7 @@ class LlamaModel(nn.Module):
             for layer in self.layers:
                 x, residual = layer(rope, x, residual)
         x, _ = self.norm(x, residual)
+        x = gather_rows(x, Step.MODEL_LM_HEAD)
         tracing.forward_mark()(Step.MODEL_LM_HEAD)
         return x
 
