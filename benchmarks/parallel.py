@@ -122,14 +122,24 @@ def stats_of(llm) -> dict[int, tuple[int, int, float]]:
 def measure(model: str, layout: dict, batch: int, prompt_len: int, new: int, repeats: int, dtype: str) -> dict:
     from lane import LLM
 
-    llm = LLM(model, dtype=dtype, show_progress=False, max_num_seqs=max(8, batch), **layout)
+    layout = dict(layout)
+    gloo = layout.pop("gloo", False)  # the ranks' collectives over gloo's loopback TCP, not shared memory
+    saved = os.environ.get("LANE_SHM_COLLECTIVES")
+    if gloo:
+        os.environ["LANE_SHM_COLLECTIVES"] = "0"  # the spawned workers inherit it
+    try:
+        llm = LLM(model, dtype=dtype, show_progress=False, max_num_seqs=max(8, batch), **layout)
+    finally:
+        if gloo:
+            os.environ.pop("LANE_SHM_COLLECTIVES") if saved is None else os.environ.update(LANE_SHM_COLLECTIVES=saved)
     try:
         ids = prompts(batch, prompt_len)
         run_tokens(llm, ids, 2)  # warm-up
-        best, per_step = float("inf"), {}
+        best, per_step, prefill = float("inf"), {}, float("inf")
         for _ in range(repeats):
             stats_of(llm)  # reset
             t1 = run_tokens(llm, ids, 1)
+            prefill = min(prefill, t1)
             s1 = stats_of(llm)
             tn = run_tokens(llm, ids, 1 + new)
             sn = stats_of(llm)
@@ -140,10 +150,41 @@ def measure(model: str, layout: dict, batch: int, prompt_len: int, new: int, rep
                                                    ms=(sn[step][2] - s1.get(step, (0, 0, 0))[2]) * 1e3 / new)
                             for step in sn}
         step_ms = best * 1e3 / new
-        return dict(tok_s=batch * new / best, step_ms=step_ms, collectives=per_step,
+        return dict(tok_s=batch * new / best, step_ms=step_ms, collectives=per_step, prefill_ms=prefill * 1e3,
                     comm_ms=sum(c["ms"] for c in per_step.values()))
     finally:
         llm.shutdown()
+
+
+def data_parallel(model: str, n: int, prompt_len: int, new: int) -> dict:
+    """Output tok/s of ``lane serve -dp 2`` with the experts over both replicas (lock-step,
+    all-to-all) against two independent replicas (each its own experts), n concurrent requests."""
+    import concurrent.futures as cf
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    from utils import RemoteServer  # noqa: E402  (the tests' server runner: a free port, health-waited)
+
+    out = {}
+    ids = prompts(n, prompt_len)
+    for label, extra in (("independent", []), ("wide EP", ["--enable-expert-parallel"])):
+        print(f"[v4 serve -dp 2] {label} ...", flush=True)
+        with RemoteServer(["--model", model, "--dtype", "float32", "--served-model-name", "m", "-dp", "2",
+                           "--max-model-len", str(prompt_len + new + 8), *extra]) as s:
+            c = s.client()
+
+            def one(p):
+                return c.completions.create(model="m", prompt=p, max_tokens=new, temperature=0,
+                                            extra_body={"ignore_eos": True}).usage.completion_tokens
+
+            one(ids[0][:8])  # warm-up
+            t0 = time.perf_counter()
+            with cf.ThreadPoolExecutor(n) as ex:
+                tokens = sum(ex.map(one, ids))
+            out[label] = tokens / (time.perf_counter() - t0)
+        print(f"  {out[label]:.1f} output tok/s", flush=True)
+    out["wide_ep_vs_independent"] = round(out["wide EP"] / out["independent"], 3)
+    print(f"  -dp 2 --enable-expert-parallel: {out['wide_ep_vs_independent']:.2f}x two independent replicas")
+    return {k: round(v, 2) for k, v in out.items()}
 
 
 def main() -> None:
@@ -154,15 +195,21 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--models", default="smollm,v32,v4")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dp", action=argparse.BooleanOptionalAction, default=True,
+                    help="serve tiny V4 with -dp 2 --enable-expert-parallel against two independent replicas")
+    ap.add_argument("--dp-requests", type=int, default=16)
     args = ap.parse_args()
     check_quiet()
-    models = {"smollm": (None, [("TP=1", {}), ("TP=3", dict(tensor_parallel_size=3))]),
+    def tp(n: int, **kw) -> list[tuple[str, dict]]:  # shm collectives, + sequence parallelism, + gloo instead
+        return [(f"TP={n}", dict(tensor_parallel_size=n, **kw)),
+                (f"TP={n} SP", dict(tensor_parallel_size=n, enable_sequence_parallel=True, **kw)),
+                (f"TP={n} gloo", dict(tensor_parallel_size=n, gloo=True, **kw))]
+
+    models = {"smollm": (None, [("TP=1", {}), *tp(3)]),
               "v32": (cached_model("deepseek_v32", V32_DIR, V32_CONFIG),
-                      [("TP=1", {}), ("TP=2", dict(tensor_parallel_size=2)),
-                       ("EP=2", dict(tensor_parallel_size=2, enable_expert_parallel=True))]),
+                      [("TP=1", {}), *tp(2), ("EP=2", dict(tensor_parallel_size=2, enable_expert_parallel=True))]),
               "v4": (cached_model("deepseek_v4", V4_DIR, V4_CONFIG),
-                     [("TP=1", {}), ("TP=2", dict(tensor_parallel_size=2)),
-                      ("EP=2", dict(tensor_parallel_size=2, enable_expert_parallel=True))])}
+                     [("TP=1", {}), *tp(2), ("EP=2", dict(tensor_parallel_size=2, enable_expert_parallel=True))])}
     headline: dict = {}
     for world in (2, 3):
         floor = collective_floor(world)
@@ -182,10 +229,16 @@ def main() -> None:
             for label, layout in layouts:
                 print(f"[{name} batch {batch}] {label} ...", flush=True)
                 r = measure(model, layout, batch, args.prompt_len, args.new_tokens, args.repeats, args.dtype)
-                base = base or r["tok_s"]
-                ratio = r["tok_s"] / base
+                base = base or r
+                ratio = r["tok_s"] / base["tok_s"]
+                rows = ""
+                if layout.get("enable_sequence_parallel"):
+                    from lane.distributed.parallel_state import row_splits
+
+                    rows = f", prefill rows per rank {row_splits(batch * args.prompt_len, layout['tensor_parallel_size'])}"
                 print(f"  decode {r['tok_s']:8.1f} tok/s ({ratio:.2f}x TP=1), {r['step_ms']:.2f} ms a step, "
-                      f"collectives {r['comm_ms']:.2f} ms a step ({r['comm_ms'] / r['step_ms']:.0%})")
+                      f"collectives {r['comm_ms']:.2f} ms a step ({r['comm_ms'] / r['step_ms']:.0%}); prefill "
+                      f"{r['prefill_ms']:.1f} ms ({base['prefill_ms'] / r['prefill_ms']:.2f}x TP=1){rows}")
                 for span, c in r["collectives"].items():
                     print(f"    {span:<20} {c['calls']:5.1f} calls {c['bytes'] / 1024:9.1f} KiB {c['ms']:7.3f} ms "
                           f"a step ({c['ms'] / max(c['calls'], 1e-9) * 1e3:6.1f} us a call)")
@@ -193,10 +246,15 @@ def main() -> None:
                     comm = r["comm_ms"]
                     bw, lat = tp16_factors(layout["tensor_parallel_size"])
                     headline[f"{name}_b{batch}_{label}"] = dict(
-                        ratio_vs_tp1=round(ratio, 3), comm_ms_per_step=round(comm, 3),
+                        ratio_vs_tp1=round(ratio, 3), step_ms=round(r["step_ms"], 3),
+                        prefill_ratio_vs_tp1=round(base["prefill_ms"] / r["prefill_ms"], 3),
+                        comm_ms_per_step=round(comm, 3),
                         comm_share=round(comm / r["step_ms"], 3),
                         bytes_per_step=int(sum(c["bytes"] for c in r["collectives"].values())),
                         tp16_comm_ms_per_step=[round(comm * bw, 3), round(comm * lat, 3)])
+    if args.dp:
+        headline["dp"] = data_parallel(cached_model("deepseek_v4", V4_DIR, V4_CONFIG), args.dp_requests,
+                                       args.prompt_len, args.new_tokens)
     print(json.dumps(headline))
 
 

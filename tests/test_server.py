@@ -134,6 +134,12 @@ def test_n_seed_logprobs(client):
     assert len(content) == c.usage.completion_tokens
     # greedy: the chosen token is the most likely one
     assert all(len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob == pytest.approx(t.logprob) for t in content)
+    # return_tokens_as_token_ids (vLLM's): the same tokens named by id, the text unchanged
+    ids = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=4, temperature=0, logprobs=3,
+                                    extra_body={"return_tokens_as_token_ids": True}).choices[0]
+    assert ids.text == r.choices[0].text
+    assert all(t.startswith("token_id:") for t in ids.logprobs.tokens + [k for d in ids.logprobs.top_logprobs for k in d])
+    assert ids.logprobs.token_logprobs == pytest.approx(lp.token_logprobs)
 
 
 def test_32_concurrent_streams_match_offline(server, lane_smollm_fp32):

@@ -226,6 +226,11 @@ class ParallelConfig:
     eplb_config: EplbConfig = field(default_factory=EplbConfig)
     # between attention and the FFN each tensor-parallel rank holds only its rows
     enable_sequence_parallel: bool = False
+    # data-parallel attention with wide expert parallelism (dp > 1 with expert parallelism): this
+    # replica's index, and where the dp x tp model ranks of every replica meet (set per engine
+    # by the API server)
+    data_parallel_rank: int = 0
+    data_parallel_master_port: int = 0
 
     def __post_init__(self) -> None:
         if self.enable_sequence_parallel and self.tensor_parallel_size == 1:
@@ -260,7 +265,24 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
+        """This replica's ranks (its workers)."""
         return self.tensor_parallel_size
+
+    @property
+    def data_parallel_expert(self) -> bool:
+        """Data-parallel attention with experts spread over every replica's ranks (vLLM's
+        semantics of -dp N with --enable-expert-parallel): the replicas share one model world."""
+        return self.data_parallel_size > 1 and self.enable_expert_parallel
+
+    @property
+    def model_world_size(self) -> int:
+        """The ranks of the torch.distributed world this replica's workers join."""
+        return self.tensor_parallel_size * (self.data_parallel_size if self.data_parallel_expert else 1)
+
+    @property
+    def first_rank(self) -> int:
+        """This replica's rank 0 in that world."""
+        return self.data_parallel_rank * self.tensor_parallel_size if self.data_parallel_expert else 0
 
     @property
     def ranks_per_node(self) -> int:
@@ -275,15 +297,17 @@ class ParallelConfig:
 
     @property
     def ep_size(self) -> int:
-        """Ranks the experts are spread over: the replica's ranks with expert parallelism, else 1."""
-        return self.world_size if self.enable_expert_parallel else 1
+        """Ranks the experts are spread over: every replica's ranks with data-parallel attention,
+        the replica's ranks with expert parallelism, else 1."""
+        return self.model_world_size if self.enable_expert_parallel else 1
 
     def check_model(self, hf_config) -> None:
         """Refuse a layout this model cannot be split into, with the numbers."""
         from lane.distributed.layout import check_eplb, check_layout
 
         redundant = self.eplb_config.num_redundant_experts if self.enable_eplb else 0
-        check_layout(hf_config, self.tensor_parallel_size, self.enable_expert_parallel, redundant)
+        check_layout(hf_config, self.tensor_parallel_size, self.enable_expert_parallel, redundant,
+                     ep=self.ep_size if self.enable_expert_parallel else None)
         if self.enable_eplb:
             check_eplb(hf_config, self.ep_size, redundant)
 
@@ -468,6 +492,9 @@ class EngineArgs:
     enable_eplb: bool = False
     eplb_config: dict | str | None = None  # JSON text or a dict (EplbConfig's fields)
     enable_sequence_parallel: bool = False
+    data_parallel_rank: int = 0  # set per engine by the API server (data-parallel attention)
+    data_parallel_master_port: int = 0
+    data_parallel_sync_path: str | None = None  # the engines' lock-step segment (engine/dp_coordinator.py)
     speculative_config: dict | str | None = None  # JSON text or a dict (SpeculativeConfig's fields)
     kv_transfer_config: dict | str | None = None  # JSON text or a dict (KVTransferConfig's fields)
     device: str | None = None  # None / "auto": the CPU (the only device lane runs on yet)
@@ -477,7 +504,9 @@ class EngineArgs:
                               self.distributed_executor_backend, self.nnodes, self.node_rank, self.master_addr,
                               self.master_port, self.worker_timeout, self.rpc_secret_file, self.enable_eplb,
                               EplbConfig.parse(self.eplb_config),
-                              enable_sequence_parallel=self.enable_sequence_parallel)
+                              enable_sequence_parallel=self.enable_sequence_parallel,
+                              data_parallel_rank=self.data_parallel_rank,
+                              data_parallel_master_port=self.data_parallel_master_port)
 
     def create_model_config(self) -> ModelConfig:
         return ModelConfig(self.model, dtype=self.dtype, max_model_len=self.max_model_len, seed=self.seed,

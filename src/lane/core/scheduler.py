@@ -82,6 +82,9 @@ class Scheduler:
         self.delayed_free: dict[str, Request] = {}  # finished, their blocks kept for another engine to pull
         # admitted, their blocks filling from another engine: request id -> (request, tokens arriving)
         self.waiting_for_remote: dict[str, tuple[Request, int]] = {}
+        # data-parallel balance (the seed's BalanceScheduler): set for a step while another replica
+        # in lock-step is at its cap, so this one admits nobody either
+        self.admission_frozen = False
 
     # -- queue ---------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -124,7 +127,7 @@ class Scheduler:
         preempted_now = False
 
         # prefill-first: decodes wait while a waiting request can be admitted this step
-        defer = (self.config.policy == "prefill-first" and bool(self.waiting)
+        defer = (self.config.policy == "prefill-first" and bool(self.waiting) and not self.admission_frozen
                  and len(self.running) < self.config.max_num_seqs)
         deferred: list[Request] = []
         i = 0
@@ -165,7 +168,7 @@ class Scheduler:
 
         # no admissions in a step that had to preempt
         compiling: list[Request] = []  # waiting for their grammar: the others go ahead
-        while (not preempted_now and self.waiting and budget > 0
+        while (not preempted_now and self.waiting and budget > 0 and not self.admission_frozen
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting[0]
             if self.structured_output is not None and not self.structured_output.ready(req.request_id):

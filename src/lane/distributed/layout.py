@@ -25,12 +25,16 @@ def check_eplb(cfg, ep: int, redundant: int) -> None:
                          f"or change -tp")
 
 
-def check_layout(cfg, tp: int, expert_parallel: bool, redundant: int = 0) -> None:
+def check_layout(cfg, tp: int, expert_parallel: bool, redundant: int = 0, ep: int | None = None) -> None:
     """Raise ValueError naming the first size that ``tp`` does not divide (``redundant``: EPLB's
-    extra expert slots, which --enable-eplb's own check explains)."""
+    extra expert slots, which --enable-eplb's own check explains; ``ep``: the ranks the experts
+    spread over when not tp, dp x tp under data-parallel attention)."""
+    ep = ep or tp
+    if expert_parallel and not _experts(cfg):
+        raise ValueError("--enable-expert-parallel needs a model with routed experts; this one has none")
+    if expert_parallel and not redundant and _experts(cfg) % ep:
+        raise ValueError(f"expert-parallel size {ep} does not divide {_experts(cfg)} routed experts")
     if tp == 1:
-        if expert_parallel:
-            return  # one rank holds every expert: nothing to split
         return
     checks: list[tuple[str, int]] = [("attention heads", cfg.num_attention_heads)]
     kv = getattr(cfg, "num_key_value_heads", None)
@@ -43,9 +47,7 @@ def check_layout(cfg, tp: int, expert_parallel: bool, redundant: int = 0) -> Non
     if getattr(cfg, "intermediate_size", None) and (not _experts(cfg) or getattr(cfg, "first_k_dense_replace", 0)):
         checks.append(("intermediate_size", cfg.intermediate_size))
     if _experts(cfg):
-        if expert_parallel and not redundant:
-            checks.append(("routed experts", _experts(cfg)))
-        else:
+        if not expert_parallel:
             checks.append(("moe_intermediate_size", cfg.moe_intermediate_size))
         shared = getattr(cfg, "n_shared_experts", 0) or 0
         if shared:
@@ -57,18 +59,18 @@ def check_layout(cfg, tp: int, expert_parallel: bool, redundant: int = 0) -> Non
     for what, n in checks:
         if n % tp:
             raise ValueError(f"tensor_parallel_size {tp} does not divide {n} {what}")
-    if expert_parallel and not _experts(cfg):
-        raise ValueError("--enable-expert-parallel needs a model with routed experts; this one has none")
 
 
 def _span(what: str, start: int, n: int) -> str:
     return f"{what} {start}" if n == 1 else f"{what}s {start}-{start + n - 1}"
 
 
-def describe_layout(cfg, tp: int, expert_parallel: bool, eplb_redundant: int | None = None) -> list[str]:
-    """One line per rank: the heads, KV heads, experts and vocabulary rows it holds
+def describe_layout(cfg, tp: int, expert_parallel: bool, eplb_redundant: int | None = None,
+                    dp: int = 1) -> list[str]:
+    """One line per rank: the heads, KV heads, experts, vocabulary rows and token rows it holds
     (``eplb_redundant``: EPLB is on with that many redundant experts, and the experts are its
-    initial placement's slots)."""
+    initial placement's slots; ``dp`` > 1: data-parallel attention, dp replicas of tp ranks with
+    the experts over all of them)."""
     lines = []
     H = cfg.num_attention_heads
     kv = getattr(cfg, "num_key_value_heads", None) or H
@@ -76,9 +78,12 @@ def describe_layout(cfg, tp: int, expert_parallel: bool, eplb_redundant: int | N
     V = cfg.vocab_size
     shard = -(-V // tp)
     E = _experts(cfg)
-    for r in range(tp):
+    ep = tp * dp
+    for rank in range(ep):
+        d, r = divmod(rank, tp)
         h = H // tp
-        parts = [f"rank {r}: {_span('query head', r * h, h)}"]
+        who = f"rank {rank} (replica {d}, tp rank {r})" if dp > 1 else f"rank {r}"
+        parts = [f"{who}: {_span('query head', r * h, h)}"]
         if _is_v4(cfg):
             g = cfg.o_groups // tp
             parts.append(f"{_span('output group', r * g, g)}, the shared K=V head and mHC replicated")
@@ -93,14 +98,17 @@ def describe_layout(cfg, tp: int, expert_parallel: bool, eplb_redundant: int | N
             if eplb_redundant is not None:
                 from lane.eplb.placement import initial_phy2log
 
-                per = (E + eplb_redundant) // tp
-                held = initial_phy2log(1, E, E + eplb_redundant)[0, r * per:(r + 1) * per].tolist()
-                parts.append(f"{_span('slot', r * per, per)} holding experts {held} (EPLB's initial placement)")
+                per = (E + eplb_redundant) // ep
+                held = initial_phy2log(1, E, E + eplb_redundant)[0, rank * per:(rank + 1) * per].tolist()
+                parts.append(f"{_span('slot', rank * per, per)} holding experts {held} (EPLB's initial placement)")
             elif expert_parallel:
-                e = E // tp
-                parts.append(f"{_span('expert', r * e, e)} whole")
+                e = E // ep
+                parts.append(f"{_span('expert', rank * e, e)} whole")
             else:
                 parts.append(f"1/{tp} of every expert's intermediate")
         parts.append(f"vocabulary rows {r * shard}-{min(V, (r + 1) * shard) - 1}")
+        if dp > 1:
+            parts.append(f"token rows: replica {d}'s own requests; it routes {'its' if tp == 1 else f'1/{tp} of'} "
+                         f"rows to the experts' ranks by all-to-all")
         lines.append(", ".join(parts))
     return lines

@@ -10,6 +10,7 @@ ranks; the expert-parallel group is the same ranks (ep = tp) or no one (ep = 1).
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import time
@@ -215,6 +216,21 @@ def set_expert_placement(placement: ExpertPlacement) -> None:
     _PLACEMENT = placement
 
 
+@contextlib.contextmanager
+def replica_local_experts():
+    """MoE layers built inside spread their experts over this replica's ranks only, even under
+    data-parallel attention (the MTP block: it runs a varying number of times a step, so its
+    collectives must not involve other replicas, which run their own)."""
+    global _EP
+    saved = _EP
+    if _EP.world_size > _TP.world_size:
+        _EP = GroupCoordinator("ep", _TP.ranks, _TP.ranks[_TP.rank_in_group], _TP.group, _TP.shm)
+    try:
+        yield
+    finally:
+        _EP = saved
+
+
 def set_model_parallel(tp: GroupCoordinator, ep: GroupCoordinator) -> None:
     """Step 5: the groups the layers read as they are built."""
     global _TP, _EP
@@ -222,10 +238,14 @@ def set_model_parallel(tp: GroupCoordinator, ep: GroupCoordinator) -> None:
 
 
 def init_distributed(world_size: int, rank: int, master_addr: str, master_port: int, timeout_s: float,
-                     device: torch.device, expert_parallel: bool) -> tuple[GroupCoordinator, GroupCoordinator]:
-    """Step 2: join the replica's world (TCP rendezvous at master_addr:master_port; gloo on a
-    CPU, NCCL on CUDA). Every collective gives up after ``timeout_s``: a rank that died or hangs
-    fails the others instead of holding them forever. Returns the (TP, EP) groups."""
+                     device: torch.device, expert_parallel: bool, tp_size: int | None = None
+                     ) -> tuple[GroupCoordinator, GroupCoordinator]:
+    """Step 2: join the world (TCP rendezvous at master_addr:master_port; gloo on a CPU, NCCL on
+    CUDA). The world is one replica's tensor-parallel ranks, or, with data-parallel attention
+    (``tp_size`` < ``world_size``), every replica's: ranks [d * tp, (d + 1) * tp) are replica d's
+    tensor-parallel group and the experts spread over the whole world. Every collective gives up
+    after ``timeout_s``: a rank that died or hangs fails the others instead of holding them
+    forever. Returns the (TP, EP) groups."""
     import torch.distributed as dist
 
     if master_addr.startswith("127.") or master_addr == "localhost":
@@ -233,14 +253,30 @@ def init_distributed(world_size: int, rank: int, master_addr: str, master_port: 
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", world_size=world_size,
                             rank=rank, timeout=datetime.timedelta(seconds=timeout_s))
-    ranks = list(range(world_size))
-    shm = None
-    if backend == "gloo" and world_size > 1:
-        from lane.distributed.shm_comm import ShmCommunicator
-
-        shm = ShmCommunicator.create(dist.group.WORLD, world_size, rank, timeout_s)
-    tp = GroupCoordinator("tp", ranks, rank, dist.group.WORLD, shm)
-    ep = (GroupCoordinator("ep", ranks, rank, dist.group.WORLD, shm) if expert_parallel
-          else GroupCoordinator("ep", [rank], rank))
+    tp_size = tp_size or world_size
+    every = list(range(world_size))
+    tp_ranks, tp_group = every, dist.group.WORLD
+    if tp_size < world_size:  # every rank creates every replica's group, in the same order
+        for first in range(0, world_size, tp_size):
+            ranks = list(range(first, first + tp_size))
+            group = dist.new_group(ranks, backend=backend) if tp_size > 1 else None
+            if rank in ranks:
+                tp_ranks, tp_group = ranks, group
+    on_cpu = backend == "gloo"
+    tp = GroupCoordinator("tp", tp_ranks, rank, tp_group, _shm(tp_group, tp_ranks, rank, timeout_s, on_cpu))
+    if not expert_parallel:
+        ep = GroupCoordinator("ep", [rank], rank)
+    elif tp_size == world_size:
+        ep = GroupCoordinator("ep", every, rank, dist.group.WORLD, tp.shm)
+    else:
+        ep = GroupCoordinator("ep", every, rank, dist.group.WORLD, _shm(dist.group.WORLD, every, rank, timeout_s, on_cpu))
     return tp, ep
 
+
+def _shm(group, ranks: list[int], rank: int, timeout_s: float, on_cpu: bool):
+    """The group's shared-memory communicator (None on CUDA, at one rank, or off one machine)."""
+    if not on_cpu or len(ranks) == 1:
+        return None
+    from lane.distributed.shm_comm import ShmCommunicator
+
+    return ShmCommunicator.create(group, len(ranks), ranks.index(rank), timeout_s)

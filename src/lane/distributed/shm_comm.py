@@ -14,6 +14,7 @@ every rank's counts, so they all choose alike).
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 import os
 import socket
@@ -54,10 +55,8 @@ class ShmCommunicator:
     collectives in the same order (as with any process group)."""
 
     def __init__(self, path: str, world: int, rank: int, slot_bytes: int, timeout_s: float, create: bool) -> None:
+        size = self.segment_bytes(world, slot_bytes)
         lib = cpu_kernels.native()
-        layout = torch.zeros(2, dtype=torch.int64)
-        lib.lane_shm_layout(world, slot_bytes, layout.data_ptr())
-        size = int(layout[1])
         fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
         try:
             if create:
@@ -72,6 +71,25 @@ class ShmCommunicator:
         self._status = torch.zeros(2, dtype=torch.int32)
         self._lib = lib
         lib.lane_shm_attach(self.base, rank, os.getpid())
+
+    @staticmethod
+    def segment_bytes(world: int, slot_bytes: int) -> int:
+        layout = torch.zeros(2, dtype=torch.int64)
+        if not cpu_kernels.build():
+            raise RuntimeError("shared-memory segments need the compiled CPU kernels (a C++ compiler)")
+        cpu_kernels.native().lane_shm_layout(world, slot_bytes, layout.data_ptr())
+        return int(layout[1])
+
+    @classmethod
+    def create_segment(cls, world: int, slot_bytes: int) -> str:
+        """A new 0600 segment for ``world`` ranks that other processes attach to by its path
+        (``ShmCommunicator(path, ..., create=False)``); the creator unlinks it once they have."""
+        fd, path = tempfile.mkstemp(prefix="lane-shm-", dir=_shm_dir())
+        try:
+            os.posix_fallocate(fd, 0, cls.segment_bytes(world, slot_bytes))
+        finally:
+            os.close(fd)
+        return path
 
     @classmethod
     def create(cls, group, world: int, rank: int, timeout_s: float) -> ShmCommunicator | None:
@@ -149,7 +167,7 @@ class ShmCommunicator:
     def reduce_scatter(self, x: torch.Tensor, splits: list[int]) -> torch.Tensor:
         """The sum over ranks of this rank's rows of x (dim 0, ``splits[r]`` rows for rank r)."""
         x = x.contiguous()
-        row = x[0].numel() if x.dim() > 1 else 1
+        row = math.prod(x.shape[1:])
         starts = [sum(splits[:r]) for r in range(self.world + 1)]
         out = x.new_empty((splits[self.rank],) + tuple(x.shape[1:]))
         flat, size = x.view(-1), x.element_size()
@@ -185,7 +203,7 @@ class ShmCommunicator:
         x = x.contiguous()
         counts = torch.tensor(send_counts, dtype=torch.int64)
         table = self.all_gather(counts)  # [sender, receiver] rows
-        row_bytes = (x[0].numel() if x.dim() > 1 else 1) * x.element_size()
+        row_bytes = math.prod(x.shape[1:]) * x.element_size()
         recv = table[:, self.rank].tolist()
         out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
         if int(table.sum(1).max()) * row_bytes > self.slot_bytes:  # every rank sees the same table

@@ -96,6 +96,12 @@ class EngineCore:
                                    kv_connector=self._kv_connector(kv))
         self.kv_cache_bytes = kv.total_bytes
         self.eplb_stats = None  # the workers' latest EPLB figures (--enable-eplb)
+        # data-parallel attention: every replica steps when any does (EngineCoreProc keeps time)
+        self.lockstep = config.parallel_config.data_parallel_expert
+        self.num_dummy_batches = 0
+        self.last_scheduled_tokens = 0
+        self.dp_attrs: dict = {}  # the balancer's figures for this step's trace (step 15)
+        self.dp_stats = None  # the lock-step's figures (EngineCoreProc's DPCoordinator keeps them)
         # what start-up made (modules, weights' wrappers, the tokenizer) lives as long as the
         # engine: frozen, the collector stops re-walking it, 2-3 % of a decode step (as vLLM's
         # EngineCore does)
@@ -177,16 +183,32 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self.scheduler.has_connector_work()
 
+    def _schedule(self):
+        so = self.scheduler.schedule()
+        self.last_scheduled_tokens = so.total_num_scheduled_tokens
+        return so
+
     def _idle_step(self) -> list[EngineCoreOutput]:
         """Nothing to compute: with KV transfers under way, the workers still hear of them and
-        say what finished (a pause between such steps, not a spin)."""
+        say what finished (a pause between such steps, not a spin). In lock-step with other
+        replicas (data-parallel attention), a dummy batch, so their MoE collectives meet ours."""
         if self.scheduler.has_connector_work():
             so = self.scheduler.connector_step()
             out = self._execute(so)
             self.scheduler.update_from_output(so, out)
-            if out.kv_connector_output is None:
+            if out.kv_connector_output is None and not self.lockstep:
                 time.sleep(0.002)
+        if self.lockstep:
+            self.execute_dummy_batch()
         return []
+
+    def execute_dummy_batch(self) -> None:
+        """One forward of one dummy token on every rank (writing only the null block), for the
+        collectives of replicas in lock-step; EPLB counts it as a step like the others do theirs."""
+        out = self.executor.collective_rpc("execute_dummy_batch", unique_reply_rank=0)
+        if out is not None:
+            self.eplb_stats = out
+        self.num_dummy_batches += 1
 
     def _execute(self, so):
         out = self.executor.execute_model(so)
@@ -195,9 +217,11 @@ class EngineCore:
         return out
 
     def make_stats(self) -> SchedulerStats:
-        """The scheduler's counts, with the workers' EPLB figures."""
+        """The scheduler's counts, with the workers' EPLB figures and the lock-step's."""
         stats = self.scheduler.make_stats()
         stats.eplb = self.eplb_stats
+        if self.dp_stats is not None:
+            stats.dp = replace(self.dp_stats, dummy_batches=self.num_dummy_batches, running=list(self.dp_stats.running))
         return stats
 
     def step(self) -> list[EngineCoreOutput]:
@@ -205,7 +229,7 @@ class EngineCore:
             return self._traced_step()
         if self.step_log is not None:
             return self._logged_step()
-        so = self.scheduler.schedule()
+        so = self._schedule()
         if so.is_empty:
             return self._idle_step()
         return self.scheduler.update_from_output(so, self._execute(so))
@@ -214,7 +238,7 @@ class EngineCore:
         """step(), writing how its budget went and its times to the step log."""
         start, t0 = time.monotonic(), time.perf_counter()
         sched = self.scheduler
-        so = sched.schedule()
+        so = self._schedule()
         if so.is_empty:
             return self._idle_step()
         t1 = time.perf_counter()
@@ -239,7 +263,7 @@ class EngineCore:
         """step() recording the engine's spans; a decoding request sees an engine-level
         span under its decode-loop number (15 -> 43, 19 -> 44, 35 -> 49, 36 -> 41)."""
         t0 = time.monotonic()
-        so = self.scheduler.schedule()
+        so = self._schedule()
         t1 = time.monotonic()
         self._record_events()
         if so.is_empty:
@@ -258,7 +282,8 @@ class EngineCore:
             if decode:
                 tracer.record(DECODE_STEP[step], start, end, decode, **batch, **attrs)
 
-        both(Step.SCHEDULER_SCHEDULE, t0, t1, running=len(self.scheduler.running), waiting=len(self.scheduler.waiting))
+        both(Step.SCHEDULER_SCHEDULE, t0, t1, running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+             **self.dp_attrs)
         t2 = time.monotonic()
         both(Step.ENGINE_DISPATCH, t1, t2, transport=self.transport)
         runner_output = self._execute(so)
@@ -311,6 +336,15 @@ class EngineCoreProc:
         config = args.create_engine_config()
         self.core = EngineCore(config, own_process=True)
         kv = self.core.kv_cache_config
+        # (mapped before READY: the API server unlinks the segment once every engine is ready)
+        self.dp = None  # data-parallel attention: the replicas' lock-step (dp_coordinator.py)
+        if config.parallel_config.data_parallel_expert:
+            from lane.engine.dp_coordinator import DPCoordinator
+
+            pc = config.parallel_config
+            self.dp = DPCoordinator(args.data_parallel_sync_path, pc.data_parallel_size, engine_index,
+                                    config.scheduler_config.max_num_seqs, pc.worker_timeout)
+            self.core.dp_stats = self.dp.stats
         threading.Thread(target=self._read_inputs, args=(input_address,), daemon=True,
                          name="EngineCoreInput").start()
         self._send(EngineCoreOutputType.READY, EngineReady(
@@ -380,6 +414,8 @@ class EngineCoreProc:
     def run_once(self) -> None:
         """One turn of the loop: take the requests that came (waiting for one when idle), step,
         publish the outputs."""
+        if self.dp is not None:
+            return self._run_lockstep_once()
         if not self.core.has_unfinished_requests():  # idle: block on the queue
             self._handle(*self.input_queue.get())
         while not self.input_queue.empty():
@@ -388,6 +424,35 @@ class EngineCoreProc:
         if self._num_steps == self._fail_at_step:
             raise ValueError(f"fault injected at step {self._num_steps} (LANE_FAULT_INJECT)")
         self._publish(self.core.step())
+        if tracer.enabled and tracer.spans:
+            self._send(EngineCoreOutputType.SPANS, tracer.drain())
+
+    def _run_lockstep_once(self) -> None:
+        """run_once with the other replicas (data-parallel attention): agree whether anyone has
+        work and whether anyone is at its cap, then all step (a dummy batch where nothing is
+        scheduled) or all wait (polling, so a request at any replica wakes every one)."""
+        core, sched = self.core, self.core.scheduler
+        if not core.has_unfinished_requests():
+            try:
+                self._handle(*self.input_queue.get(timeout=self.dp.poll_s))
+            except queue.Empty:
+                pass
+        while not self.input_queue.empty():
+            self._handle(*self.input_queue.get_nowait())
+        rnd = self.dp.sync(core.has_unfinished_requests(), len(sched.running), len(sched.waiting),
+                           core.last_scheduled_tokens)
+        core.last_scheduled_tokens = 0
+        if not rnd.any_work:
+            if self._stats_dirty:
+                self._publish([])
+            return
+        sched.admission_frozen = rnd.frozen
+        core.dp_attrs = dict(dp_rank=self.engine_index, dp_running="/".join(map(str, rnd.running)),
+                             dp_waiting="/".join(map(str, rnd.waiting)), dp_admission_frozen=rnd.frozen)
+        self._num_steps += 1
+        if self._num_steps == self._fail_at_step:
+            raise ValueError(f"fault injected at step {self._num_steps} (LANE_FAULT_INJECT)")
+        self._publish(core.step())
         if tracer.enabled and tracer.spans:
             self._send(EngineCoreOutputType.SPANS, tracer.drain())
 

@@ -124,6 +124,7 @@ class AsyncMPClient:
         self._spans_decoder = msgspec.msgpack.Decoder(list[Span])
         self._closed = False
         self._pending_aborts: dict[int, list[str]] = {}  # engine index -> ids not yet sent
+        self._dp_segment: str | None = None  # the engines' lock-step segment, until they all attached
 
     # -- start-up --------------------------------------------------------------
     def launch(self) -> None:
@@ -140,13 +141,22 @@ class AsyncMPClient:
         if threads is None and self.num_engines > 1 and self.args.tensor_parallel_size == 1:
             threads = max(1, available_cpus() // self.num_engines)
         ctx = multiprocessing.get_context("spawn")
+        lockstep = {}
+        if self.num_engines > 1 and self.args.enable_expert_parallel:  # data-parallel attention, wide EP
+            from lane.engine.dp_coordinator import create_segment
+
+            with socket.socket() as s:  # where every replica's model ranks meet
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            self._dp_segment = create_segment(self.num_engines)
+            lockstep = dict(data_parallel_master_port=port, data_parallel_sync_path=self._dp_segment)
         for i in range(self.num_engines):
             in_addr = f"ipc://{self._ipc_dir}/input-{i}"
             sock = self._sync_ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
             sock.bind(in_addr)
             self.input_sockets.append(sock)
-            args = self._args_for(threads)
+            args = self._args_for(threads, i, lockstep)
             proc = ctx.Process(target=_engine_core_main, name=f"EngineCore_DP{i}",
                                args=(args, i, in_addr, out_addr, cpu_sets[i]), daemon=True)
             proc.start()
@@ -168,11 +178,12 @@ class AsyncMPClient:
             self._loop.add_reader(conn.fileno(), self._on_readable, i)
         self._tasks = [asyncio.create_task(self._watchdog(), name="engine-watchdog")]
 
-    def _args_for(self, threads: int | None) -> EngineArgs:
+    def _args_for(self, threads: int | None, index: int = 0, lockstep: dict | None = None) -> EngineArgs:
         from dataclasses import replace
 
         # progress bars of several engines would garble each other
-        return replace(self.args, threads=threads, show_progress=self.args.show_progress and self.num_engines == 1)
+        return replace(self.args, threads=threads, show_progress=self.args.show_progress and self.num_engines == 1,
+                       data_parallel_size=self.num_engines, data_parallel_rank=index, **(lockstep or {}))
 
     async def _wait_ready(self, timeout_s: float) -> None:
         """Accept each engine's outputs connection and read its READY message (start-up takes
@@ -218,6 +229,15 @@ class AsyncMPClient:
             if pending:
                 await asyncio.sleep(0.02)
         self.ready = [ready[i] for i in range(self.num_engines)]
+        self._drop_dp_segment()  # every engine has mapped it
+
+    def _drop_dp_segment(self) -> None:
+        if self._dp_segment is not None:
+            try:
+                os.unlink(self._dp_segment)
+            except FileNotFoundError:
+                pass
+            self._dp_segment = None
 
     # -- running ---------------------------------------------------------------
     def _on_readable(self, engine_index: int) -> None:
@@ -314,6 +334,7 @@ class AsyncMPClient:
         if self._closed:
             return
         self._closed = True
+        self._drop_dp_segment()
         for t in self._tasks:
             t.cancel()
         for p in self.procs:

@@ -379,6 +379,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="the cache layout with prefix caching on (default) or off")
     ex.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                     help="show the layout over this many ranks: who holds which heads, experts, vocabulary rows")
+    ex.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                    help="with --enable-expert-parallel: replicas whose attention is data parallel, the experts "
+                         "spread over every replica's ranks")
     ex.add_argument("--enable-expert-parallel", action="store_true")
     add_eplb_args(ex)
 
@@ -404,7 +407,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             print(explain(args.model_tag, args.dtype, args.block_size, args.kv_cache_memory_bytes,
                           args.enable_prefix_caching, args.quantization, args.tensor_parallel_size,
-                          args.enable_expert_parallel, args.enable_eplb, args.eplb_config))
+                          args.enable_expert_parallel, args.enable_eplb, args.eplb_config,
+                          args.data_parallel_size))
         except (ValueError, FileNotFoundError, OSError) as e:
             ex.error(str(e))
         return 0

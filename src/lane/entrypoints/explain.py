@@ -92,7 +92,7 @@ def _compressed_layout(model, cfg, block_size: int, dtype, caching: bool, lines:
 
 
 def _parallel_layout(mc, tp: int, expert_parallel: bool, block_size: int, budget: int,
-                     caching: bool, sc, eplb=None) -> list[str]:
+                     caching: bool, sc, eplb=None, dp: int = 1) -> list[str]:
     """Who holds which heads, experts and vocabulary rows; each rank's weights and KV pool (a
     rank-0 model built on the meta device with a group of ``tp`` ranks: its shapes are a rank's)."""
     from lane.core.kv_cache_utils import get_kv_cache_config
@@ -103,8 +103,10 @@ def _parallel_layout(mc, tp: int, expert_parallel: bool, block_size: int, budget
 
     saved, placement = (ps.get_tp_group(), ps.get_ep_group()), ps.get_expert_placement()
     ranks = list(range(tp))
+    wide = dp > 1 and expert_parallel  # data-parallel attention: experts over every replica's ranks
     ps.set_model_parallel(ps.GroupCoordinator("tp", ranks, 0),
-                          ps.GroupCoordinator("ep", ranks if expert_parallel else [0], 0))
+                          ps.GroupCoordinator("ep", list(range(tp * dp)) if wide else ranks if expert_parallel
+                                              else [0], 0))
     if eplb is not None:
         ps.set_expert_placement(ps.ExpertPlacement(True, eplb.num_redundant_experts))
     try:
@@ -118,9 +120,11 @@ def _parallel_layout(mc, tp: int, expert_parallel: bool, block_size: int, budget
     main = kv.first_group(FULL)
     per_block = sum(g.page_size_bytes for g in kv.groups if g.kind == FULL)
     lines = ["", f"3 · parallel layout (tensor_parallel_size {tp}"
-             + (", expert parallel: whole experts per rank" if expert_parallel else "") + ")"]
+             + (f", data_parallel_size {dp}: attention data parallel, experts over all {dp * tp} ranks" if wide
+                else ", expert parallel: whole experts per rank" if expert_parallel else "") + ")"]
     lines += ["  " + line for line in describe_layout(mc.hf_config, tp, expert_parallel,
-                                                      None if eplb is None else eplb.num_redundant_experts)]
+                                                      None if eplb is None else eplb.num_redundant_experts,
+                                                      dp if wide else 1)]
     if eplb is not None:
         E = int(mc.hf_config.n_routed_experts)
         lines.append(f"  EPLB: {E} logical experts in {E + eplb.num_redundant_experts} physical slots per MoE layer "
@@ -140,13 +144,14 @@ def _parallel_layout(mc, tp: int, expert_parallel: bool, block_size: int, budget
 def explain(model: str | None, dtype: str = "auto", block_size: int | None = None,
             kv_cache_memory_bytes: int | None = None, enable_prefix_caching: bool = True,
             quantization: str = "auto", tensor_parallel_size: int = 1, enable_expert_parallel: bool = False,
-            enable_eplb: bool = False, eplb_config: str | dict | None = None) -> str:
+            enable_eplb: bool = False, eplb_config: str | dict | None = None,
+            data_parallel_size: int = 1) -> str:
     from lane.config import CacheConfig, EplbConfig, ModelConfig, ParallelConfig, SchedulerConfig
 
     plugins.load_general_plugins()
     mc = ModelConfig(model, dtype=dtype, quantization=quantization)
     cfg = mc.hf_config
-    pc = ParallelConfig(tensor_parallel_size, enable_expert_parallel=enable_expert_parallel,
+    pc = ParallelConfig(tensor_parallel_size, data_parallel_size, enable_expert_parallel=enable_expert_parallel,
                         enable_eplb=enable_eplb, eplb_config=EplbConfig.parse(eplb_config))
     pc.check_model(cfg)
     block_size = mc.resolve_block_size(block_size)
@@ -234,5 +239,6 @@ def explain(model: str | None, dtype: str = "auto", block_size: int | None = Non
                      f"the engine refuses this budget unless --max-model-len is lower")
     if tensor_parallel_size > 1 or enable_expert_parallel:
         lines += _parallel_layout(mc, tensor_parallel_size, enable_expert_parallel, block_size, budget,
-                                  enable_prefix_caching, sc, pc.eplb_config if enable_eplb else None)
+                                  enable_prefix_caching, sc, pc.eplb_config if enable_eplb else None,
+                                  data_parallel_size)
     return "\n".join(lines)

@@ -337,29 +337,35 @@ class OpenAIServing:
                          prompt_tokens_details={"cached_tokens": cached})
 
     # -- logprobs ----------------------------------------------------------------
-    # the output processor's token strings: each as it reads inside the text (" Paris")
-    def _completion_logprobs(self, c: CompletionOutput, num: int, offset: int) -> CompletionLogprobs:
+    # the output processor's token strings: each as it reads inside the text (" Paris"), or
+    # "token_id:<id>" with return_tokens_as_token_ids
+    @staticmethod
+    def _token_name(tid: int, v, as_ids: bool) -> str:
+        return f"token_id:{tid}" if as_ids else v.decoded_token
+
+    def _completion_logprobs(self, c: CompletionOutput, num: int, offset: int,
+                             as_ids: bool = False) -> CompletionLogprobs:
         lp = CompletionLogprobs()
         for tid, entry in zip(c.token_ids, c.logprobs or []):
-            tok = entry[tid].decoded_token
+            tok = self._token_name(tid, entry[tid], as_ids)
             lp.tokens.append(tok)
             lp.token_logprobs.append(entry[tid].logprob)
-            lp.top_logprobs.append({v.decoded_token: v.logprob for t, v in entry.items()
+            lp.top_logprobs.append({self._token_name(t, v, as_ids): v.logprob for t, v in entry.items()
                                     if t == tid or (v.rank is not None and v.rank <= num)})
             lp.text_offset.append(offset)
-            offset += len(tok)
+            offset += len(entry[tid].decoded_token)
         return lp
 
-    def _chat_logprobs(self, c: CompletionOutput, num: int) -> ChatLogprobs:
+    def _chat_logprobs(self, c: CompletionOutput, num: int, as_ids: bool = False) -> ChatLogprobs:
         content = []
         for tid, entry in zip(c.token_ids, c.logprobs or []):
-            tok = entry[tid].decoded_token
+            tok = self._token_name(tid, entry[tid], as_ids)
             tops = sorted(((t, v) for t, v in entry.items() if v.rank is not None and v.rank <= num),
                           key=lambda tv: tv[1].rank)
             content.append(ChatLogprobToken(
-                token=tok, logprob=entry[tid].logprob, bytes=list(tok.encode()),
-                top_logprobs=[TopLogprob(token=v.decoded_token, logprob=v.logprob,
-                                         bytes=list(v.decoded_token.encode())) for _, v in tops]))
+                token=tok, logprob=entry[tid].logprob, bytes=list(entry[tid].decoded_token.encode()),
+                top_logprobs=[TopLogprob(token=self._token_name(t, v, as_ids), logprob=v.logprob,
+                                         bytes=list(v.decoded_token.encode())) for t, v in tops]))
         return ChatLogprobs(content=content)
 
     # -- /v1/completions -----------------------------------------------------------
@@ -402,7 +408,7 @@ class OpenAIServing:
                 choices.append(CompletionChoice(
                     index=i * n + c.index, text=echo[i] + c.text, finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
-                    logprobs=self._completion_logprobs(c, num_lp, len(echo[i]))
+                    logprobs=self._completion_logprobs(c, num_lp, len(echo[i]), request.return_tokens_as_token_ids)
                     if request.logprobs is not None else None))
         resp = CompletionResponse(id=rid, model=model, choices=choices, usage=self._usage(finals),
                                   kv_transfer_params=finals[0].kv_transfer_params if len(finals) == 1 else None)
@@ -431,7 +437,8 @@ class OpenAIServing:
                     if not text and c.finish_reason is None and (request.logprobs is None or not c.token_ids):
                         continue
                     offset = offsets.get(idx, 0)
-                    lp = (self._completion_logprobs(c, num_lp, offset + len(text) - len(c.text)).model_dump()
+                    lp = (self._completion_logprobs(c, num_lp, offset + len(text) - len(c.text),
+                                                    request.return_tokens_as_token_ids).model_dump()
                           if request.logprobs is not None else None)
                     offsets[idx] = offset + len(text)
                     choices.append({"index": idx, "text": text, "logprobs": lp,
@@ -535,7 +542,8 @@ class OpenAIServing:
                     finish = "tool_calls"
             choices.append(ChatChoice(index=c.index, message=message, finish_reason=finish,
                                       stop_reason=c.stop_reason,
-                                      logprobs=self._chat_logprobs(c, num_lp) if request.logprobs else None))
+                                      logprobs=self._chat_logprobs(c, num_lp, request.return_tokens_as_token_ids)
+                                      if request.logprobs else None))
         resp = ChatCompletionResponse(id=rid, model=model, choices=choices, usage=self._usage(finals),
                                       kv_transfer_params=finals[0].kv_transfer_params)
         return self._respond(resp, request, finals, handles)
@@ -575,7 +583,8 @@ class OpenAIServing:
                         finished.add(c.index)
                     choices.append({
                         "index": c.index, "delta": delta,
-                        "logprobs": self._chat_logprobs(c, num_lp).model_dump() if request.logprobs else None,
+                        "logprobs": self._chat_logprobs(c, num_lp, request.return_tokens_as_token_ids).model_dump()
+                        if request.logprobs else None,
                         "finish_reason": finish, "stop_reason": c.stop_reason})
                 if choices:
                     t0 = time.monotonic()

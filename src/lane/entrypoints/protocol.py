@@ -128,6 +128,8 @@ class SamplingRequest(OpenAIBaseModel):
     stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # logprobs name each token "token_id:<id>" (vLLM's), e.g. to check ids against a reference
+    return_tokens_as_token_ids: bool = False
     data_parallel_rank: int | None = Field(None, ge=0)
     # PD disaggregation (vLLM's): do_remote_decode / do_remote_prefill, remote_block_ids, ...
     kv_transfer_params: dict[str, Any] | None = None

@@ -108,6 +108,13 @@ class PrometheusStatLogger:
                                             "Requests whose KV cache could not be transferred.")
         self.kv_transfer_expired = counter("lane:kv_transfer_expired_requests",
                                            "Requests whose KV cache no engine pulled before the timeout.")
+        # data-parallel attention (-dp N --enable-expert-parallel): the replicas' lock-step
+        self.dp_imbalance = gauge("lane:dp_imbalance",
+                                  "Most tokens a data-parallel replica scheduled over the mean, the last 64 steps.")
+        self.dp_dummy_batches = counter("lane:dp_dummy_batches",
+                                        "Steps a replica ran a dummy batch so the others' MoE collectives met.")
+        self.dp_frozen_steps = counter("lane:dp_admission_frozen_steps",
+                                       "Steps no replica admitted a request because one was at --max-num-seqs.")
         self.cache_config_info = Gauge(
             "vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
             ["model_name", "engine", "block_size", "num_gpu_blocks", "enable_prefix_caching",
@@ -158,6 +165,10 @@ class PrometheusStatLogger:
             self.prompt_tokens_computed.labels(*lv).inc(max(s.prompt_tokens_computed - last.prompt_tokens_computed, 0))
             if s.kv_transfer is not None:
                 self._record_kv_transfer(lv, s.kv_transfer, last.kv_transfer)
+            if s.dp is not None:
+                self.dp_imbalance.labels(*lv).set(s.dp.imbalance)
+                self.dp_dummy_batches.labels(*lv).inc(max(s.dp.dummy_batches - (last.dp.dummy_batches if last.dp else 0), 0))
+                self.dp_frozen_steps.labels(*lv).inc(max(s.dp.frozen_steps - (last.dp.frozen_steps if last.dp else 0), 0))
             self._last[engine_index] = s
         if iteration_stats is None:
             return

@@ -23,6 +23,17 @@ class SchedulerStats:
     eplb: "EplbStats | None" = None  # with --enable-eplb
     prompt_tokens_computed: int = 0  # cumulative: prompt tokens this engine computed (no hit, no transfer)
     kv_transfer: "KVTransferStats | None" = None  # with --kv-transfer-config
+    dp: "DPStats | None" = None  # data-parallel attention: the replicas' lock-step
+
+
+@dataclass
+class DPStats:
+    """The replicas' lock-step, as one replica sees it (engine/dp_coordinator.py)."""
+    imbalance: float = 1.0  # most tokens a replica scheduled over the mean, the last 64 steps with work
+    dummy_batches: int = 0  # steps this replica ran a dummy batch so the others' collectives met
+    frozen_steps: int = 0  # steps nobody admitted because a replica was at its cap
+    steps: int = 0  # steps with work somewhere
+    running: list[int] = field(default_factory=list)  # every replica's running requests
 
 
 @dataclass

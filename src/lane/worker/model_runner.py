@@ -351,15 +351,19 @@ class ModelRunner:
         return out
 
     @torch.inference_mode()
-    def dummy_run(self, num_tokens: int) -> None:
+    def dummy_run(self, num_tokens: int, null_block: bool = False) -> None:
         """One prefill-shaped forward of a request in blocks (and state slot) 1.., not yet
-        handed out; their cache entries are zeroed again after."""
+        handed out (at start-up), or of up to a block's tokens in the null block 0, which no
+        request's attention reads (while serving); their cache entries are zeroed again after."""
         bs = self.block_size
         num_blocks = -(-num_tokens // bs)
+        first = 0 if null_block else 1
+        assert not null_block or num_blocks == 1, "the null block holds one block's tokens"
         common = CommonAttentionMetadata(0, [0], [num_tokens], [0], [True])
-        ids = tuple([1] if g.kind == STATE else list(range(1, 1 + num_blocks)) for g in self.kv_cache_config.groups)
+        ids = tuple([first] if g.kind == STATE else list(range(first, first + num_blocks))
+                    for g in self.kv_cache_config.groups)
         with set_forward_context(self._attn_metadata(common, [ids])):
             pos = torch.arange(num_tokens)
             self.model.compute_logits(self.model(torch.zeros(num_tokens, dtype=torch.long), pos)[-1:])
         for t in self.kv_caches.values():
-            t[1:1 + num_blocks].zero_()
+            t[first:first + num_blocks].zero_()

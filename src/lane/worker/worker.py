@@ -50,7 +50,7 @@ class Worker:
             tracer.record(Step.PLATFORM_INIT, t0, time.monotonic(), device=str(mc.device_type), dtype=str(mc.dtype),
                           threads=self.threads, cpu_isa=platform.cpu_isa() if on_cpu else None, cpu_bind=binding)
         torch.manual_seed(mc.seed)
-        if pc.world_size > 1:
+        if pc.model_world_size > 1:
             self._init_distributed(pc, mc.device_type)
         from lane.distributed.parallel_state import ExpertPlacement, set_expert_placement
 
@@ -86,8 +86,13 @@ class Worker:
         t0 = time.monotonic()
         if device.type == "cuda":  # one GPU per local rank (NCCL refuses two ranks on one)
             torch.cuda.set_device(self.rank % pc.ranks_per_node % max(1, torch.cuda.device_count()))
-        tp, ep = init_distributed(pc.world_size, self.rank, pc.master_addr, pc.master_port, pc.worker_timeout,
-                                  device, pc.enable_expert_parallel)
+        if pc.data_parallel_expert:  # every replica's ranks in one world, the experts over all of them
+            tp, ep = init_distributed(pc.model_world_size, pc.first_rank + self.rank, "127.0.0.1",
+                                      pc.data_parallel_master_port, pc.worker_timeout, device, True,
+                                      tp_size=pc.tensor_parallel_size)
+        else:
+            tp, ep = init_distributed(pc.world_size, self.rank, pc.master_addr, pc.master_port, pc.worker_timeout,
+                                      device, pc.enable_expert_parallel)
         t1 = time.monotonic()
         set_model_parallel(tp, ep)
         set_sequence_parallel(pc.enable_sequence_parallel)
@@ -182,6 +187,12 @@ class Worker:
         if tracer.enabled:
             tracer.record(Step.WORKER_WARMUP, t0, time.monotonic(), tokens=n)
         return time.monotonic() - t0
+
+    def execute_dummy_batch(self):
+        """A forward of one dummy token (the null block's slots), for replicas in lock-step;
+        returns EPLB's stats when they changed (its step count stays with the other ranks')."""
+        self.runner.dummy_run(1, null_block=True)
+        return self.eplb.step() if self.eplb is not None else None
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         out = self.runner.execute_model(scheduler_output)

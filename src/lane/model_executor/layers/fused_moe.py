@@ -13,6 +13,12 @@ is a partial sum that the caller all-reduces once, with the shared experts' (see
 Every rank of a replica holds every token, so dispatch needs no collective here; the combine
 is that all-reduce (an all-gather + reduce-scatter would move the same bytes).
 
+With data-parallel attention (``-dp N --enable-expert-parallel``) the experts spread over every
+replica's ranks, whose tokens differ: each rank routes its share of its replica's rows, once,
+and sends each (token, slot) pair's row to the rank holding the slot (an all-to-all, step 31);
+the owners run their experts and send the outputs back (a second all-to-all), where they are
+weighted and summed in the same order as on one rank (``forward_all_to_all``).
+
 With EPLB (``eplb/``) a layer holds physical expert slots, E + R of them (R redundant), P / ep on
 each rank; the router's logical choices go through the layer's ``ExpertMap`` to one replica each,
 and each forward adds the tokens every slot served into the EPLB state's step buffer.
@@ -23,6 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lane import tracing
 from lane.eplb.placement import ExpertMap
 from lane.model_executor.layers.activation import silu_and_mul
 from lane.model_executor.layers import cpu_kernels
@@ -95,6 +102,9 @@ class FusedMoE(nn.Module):
         # expert parallel: whole experts in slots [expert_start, expert_start + local_experts); else a
         # 1/tp slice of every expert's intermediate
         self.ep_size, self.tp_size = ep.world_size, (1 if ep.world_size > 1 else tp.world_size)
+        # the experts span ranks that hold other tokens (data-parallel attention): dispatch by all-to-all
+        self.all_to_all = ep.world_size > tp.world_size
+        self.ep = ep
         self.tp_rank = tp.rank_in_group if self.tp_size > 1 else 0
         self.local_experts = self.num_physical // self.ep_size
         self.expert_start = ep.rank_in_group * self.local_experts
@@ -182,6 +192,23 @@ class FusedMoE(nn.Module):
         return int8_linear(x, self.qkind, getattr(self, "q" + name)[e], getattr(self, name + "_scale")[e],
                            None if sums is None else sums[e])
 
+    def _count(self, counts: torch.Tensor) -> None:
+        self.expert_counts.index_add_(0, self.local_logical(), counts)
+        if self.eplb_load is not None:  # heat, per physical slot (EPLB's window reads it)
+            self.eplb_load[self.expert_start:self.expert_start + self.local_experts] += counts
+
+    def _run_sorted(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Rows grouped by local slot (``counts[e]`` rows for slot e, in slot order) -> each row's
+        output of its slot's expert, unweighted."""
+        out = torch.empty_like(rows)
+        start = 0
+        for e, n in enumerate(counts.tolist()):
+            if n:
+                h = self._act(self._expert("w13", e, rows[start:start + n]))
+                out[start:start + n] = self._expert("w2", e, h)
+                start += n
+        return out
+
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """x [T, H]; topk_weights, topk_ids [T, k] -> [T, H] (this rank's part of the sum)"""
         k = topk_ids.shape[1]
@@ -195,20 +222,44 @@ class FusedMoE(nn.Module):
             flat, weights = flat[mine] - self.expert_start, weights[mine]
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=self.local_experts)
-        self.expert_counts.index_add_(0, self.local_logical(), counts)
-        if self.eplb_load is not None:  # heat, per physical slot (EPLB's window reads it)
-            self.eplb_load[self.expert_start:self.expert_start + self.local_experts] += counts
+        self._count(counts)
         token_of = order // k if token is None else token[order]
-        rows = x.index_select(0, token_of)
-        out = torch.empty_like(rows)
-        start = 0
-        for e, n in enumerate(counts.tolist()):
-            if n:
-                h = self._act(self._expert("w13", e, rows[start:start + n]))
-                out[start:start + n] = self._expert("w2", e, h)
-                start += n
+        out = self._run_sorted(x.index_select(0, token_of), counts)
         out *= weights[order, None].to(out.dtype)
         return torch.zeros_like(x).index_add_(0, token_of, out)
+
+    def forward_all_to_all(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """x [T, H]: this rank's rows, routed here alone -> [T, H], the routed experts' whole sum
+        for them. Each pair's row goes to its slot's rank and its output comes back (step 31);
+        the owners compute (step 30)."""
+        from lane.tracing import Step
+
+        mark = tracing.forward_mark()
+        k = topk_ids.shape[1]
+        if self.expert_map is not None:
+            topk_ids = self.expert_map.to_physical(topk_ids)
+        flat, weights = topk_ids.reshape(-1), topk_weights.reshape(-1)
+        owner = flat // self.local_experts
+        by_owner = owner.argsort(stable=True)
+        send = torch.bincount(owner, minlength=self.ep_size).tolist()
+        mark(Step.OPS_FFN)
+        rows, recv = self.ep.all_to_all(x.index_select(0, by_owner // k), send, Step.COMM_FFN_REDUCE)
+        slots, _ = self.ep.all_to_all(flat[by_owner], send, Step.COMM_FFN_REDUCE)
+        mark(Step.COMM_FFN_REDUCE)
+        local = slots - self.expert_start
+        order = local.argsort(stable=True)
+        counts = torch.bincount(local, minlength=self.local_experts)
+        self._count(counts)
+        done = torch.empty_like(rows)
+        done[order] = self._run_sorted(rows[order], counts)
+        mark(Step.OPS_FFN)
+        back, _ = self.ep.all_to_all(done, recv, Step.COMM_FFN_REDUCE)
+        mark(Step.COMM_FFN_REDUCE)
+        pair_out = torch.empty_like(back)
+        pair_out[by_owner] = back
+        order = flat.argsort(stable=True)  # summed in one rank's order: by slot, then pair
+        out = pair_out[order] * weights[order, None].to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, order // k, out)
 
     def _act(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.swiglu_limit is None:
@@ -226,3 +277,31 @@ def _runs(ids: list[int]) -> list[slice]:
             out.append(slice(ids[start], ids[i - 1] + 1))
             start = i
     return out
+
+
+def share_rows(tp, x: torch.Tensor) -> torch.Tensor:
+    """This rank's share of rows every rank of its replica holds (dim 0 split as
+    ``row_splits``): under data-parallel attention each token is routed once, by one rank."""
+    from lane.distributed.parallel_state import row_splits
+
+    if tp.world_size == 1:
+        return x
+    splits = row_splits(x.shape[0], tp.world_size)
+    r = tp.rank_in_group
+    return x.narrow(0, sum(splits[:r]), splits[r])
+
+
+def combine_routed(tp, routed: torch.Tensor, shared: torch.Tensor | None, num_rows: int) -> torch.Tensor:
+    """The FFN's output rows this rank hands on: its share's routed sums (``routed``) gathered
+    over the replica's ranks (under sequence parallelism it keeps its own rows), plus the shared
+    experts' partial sums reduced over them (step 31)."""
+    from lane.distributed.parallel_state import row_splits, sequence_parallel_splits
+    from lane.tracing import Step
+
+    if tp.world_size == 1:
+        return routed if shared is None else routed + shared
+    splits = row_splits(num_rows, tp.world_size)
+    if sequence_parallel_splits() is not None:
+        return routed if shared is None else routed + tp.reduce_scatter(shared, splits, Step.COMM_FFN_REDUCE)
+    out = tp.all_gather_rows(routed, splits, Step.COMM_FFN_REDUCE)
+    return out if shared is None else out + tp.all_reduce(shared, Step.COMM_FFN_REDUCE)

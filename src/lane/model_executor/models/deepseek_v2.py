@@ -26,9 +26,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lane import platform, tracing
-from lane.distributed.parallel_state import get_tp_group, sequence_parallel_begin
+from lane.distributed.parallel_state import get_tp_group, replica_local_experts, sequence_parallel_begin
 from lane.tracing import Step
-from lane.model_executor.layers.fused_moe import FusedMoE, fused_expert_name, grouped_topk
+from lane.model_executor.layers.fused_moe import (FusedMoE, combine_routed, fused_expert_name, grouped_topk,
+                                                  share_rows)
 from lane.model_executor.layers.indexer import Indexer
 from lane.model_executor.layers.layernorm import RMSNorm
 from lane.model_executor.layers.linear import Linear
@@ -133,14 +134,22 @@ class DeepseekV2MoE(nn.Module):
                                if n_shared else None)
         self.tp = get_tp_group()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = F.linear(x.float(), self.gate.weight)
         weights, ids = grouped_topk(
             logits, self.top_k, scoring_func=self.scoring_func, correction_bias=self.gate.e_score_correction_bias,
             num_expert_group=self.n_group, topk_group=self.topk_group, renormalize=self.renormalize,
             routed_scaling_factor=self.routed_scaling_factor)
         tracing.forward_mark()(Step.MODEL_MOE_ROUTE)
-        out = self.experts(x, weights, ids)
+        return weights, ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.experts.all_to_all:  # data-parallel attention: each token routed once, by one rank
+            mine = share_rows(self.tp, x)
+            routed = self.experts.forward_all_to_all(mine, *self._route(mine))
+            shared = self.shared_experts(x) if self.shared_experts is not None else None
+            return combine_routed(self.tp, routed, shared, x.shape[0])
+        out = self.experts(x, *self._route(x))
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return reduce_partial(self.tp, out, Step.COMM_FFN_REDUCE, compute_step=Step.OPS_FFN)
@@ -211,8 +220,9 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         # the MTP layer runs only to draft (speculative decoding, which then gives it a cache)
         self.kv_cache_skip = ("mtp.",)
         n_mtp = getattr(config, "num_nextn_predict_layers", 0) or 0
-        self.mtp = nn.ModuleList(DeepseekMTPLayer(config, self.model.rotary, config.num_hidden_layers + i)
-                                 for i in range(n_mtp))
+        with replica_local_experts():
+            self.mtp = nn.ModuleList(DeepseekMTPLayer(config, self.model.rotary, config.num_hidden_layers + i)
+                                     for i in range(n_mtp))
 
     def moe_layers(self) -> dict[int, FusedMoE]:
         return {i: layer.mlp.experts for i, layer in enumerate(self.model.layers)

@@ -24,11 +24,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lane import platform, tracing
-from lane.distributed.parallel_state import get_tp_group, sequence_parallel_begin
+from lane.distributed.parallel_state import get_tp_group, replica_local_experts, sequence_parallel_begin
 from lane.tracing import Step
 from lane.model_executor.layers.compressed_attention import (V4AttentionCache, V4RMSNorm, attend_with_sinks,
                                                              rope_tail, unweighted_rms_norm)
-from lane.model_executor.layers.fused_moe import FusedMoE, fused_expert_name
+from lane.model_executor.layers.fused_moe import FusedMoE, combine_routed, fused_expert_name, share_rows
 from lane.model_executor.models.deepseek_v2 import drop_unloaded_mtp
 from lane.model_executor.layers import cpu_kernels
 from lane.model_executor.layers.linear import Linear, linear
@@ -368,6 +368,12 @@ class V4MoE(nn.Module):
         self.tp = get_tp_group()
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.experts.all_to_all:  # data-parallel attention: each token routed once, by one rank
+            mine = share_rows(self.tp, x)
+            weights, ids = self.gate(mine, share_rows(self.tp, input_ids))
+            tracing.forward_mark()(Step.MODEL_MOE_ROUTE, routing="hash" if self.gate.hashed else "learned")
+            routed = self.experts.forward_all_to_all(mine, weights, ids)
+            return combine_routed(self.tp, routed, self.shared_experts(x), x.shape[0])
         weights, ids = self.gate(x, input_ids)
         tracing.forward_mark()(Step.MODEL_MOE_ROUTE, routing="hash" if self.gate.hashed else "learned")
         out = self.experts(x, weights, ids) + self.shared_experts(x)
@@ -457,8 +463,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.norm = V4RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.head = ParallelLMHead(config.hidden_size, config.vocab_size)
         n_mtp = getattr(config, "num_nextn_predict_layers", 0) or 0
-        self.mtp = nn.ModuleList(DeepseekV4MTPLayer(config, config.num_hidden_layers + i, rope)
-                                 for i in range(n_mtp))
+        with replica_local_experts():
+            self.mtp = nn.ModuleList(DeepseekV4MTPLayer(config, config.num_hidden_layers + i, rope)
+                                     for i in range(n_mtp))
         # the MTP block runs only to draft (speculative decoding, which then gives it a cache)
         self.kv_cache_skip = ("mtp.",)
         self.keep_streams = False  # set when MTP drafts: the last forward's streams stay for it
