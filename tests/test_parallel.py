@@ -44,15 +44,17 @@ def _engine_kw(arch: str) -> dict:
                 kv_cache_memory_bytes={"llama": 48 << 10, "qwen3": 48 << 10}.get(arch, 4 << 20))
 
 
-@pytest.mark.parametrize("arch,ep,sp", [("llama", False, False), ("llama", False, True), ("qwen3", False, False),
-                                        ("qwen3", False, True), ("deepseek_v3", False, False),
-                                        ("deepseek_v3", True, True), ("deepseek_v32", False, True),
-                                        ("deepseek_v4", False, False), ("deepseek_v4", True, True)])
-def test_two_ranks_equal_one(tiny, arch, ep, sp):
+@pytest.mark.parametrize("arch,ep,sp,cp", [("llama", False, False, False), ("llama", False, True, False),
+                                           ("qwen3", False, False, False), ("qwen3", False, True, False),
+                                           ("deepseek_v3", False, False, False), ("deepseek_v3", True, True, False),
+                                           ("deepseek_v32", False, True, True), ("deepseek_v4", False, False, False),
+                                           ("deepseek_v4", True, True, True)])
+def test_two_ranks_equal_one(tiny, arch, ep, sp, cp):
     """TP=2 (or EP=2: whole experts per rank; or SP: each rank holds only its rows between
-    attention and the FFN, a decode of one row leaving a rank none) gives TP=1's greedy tokens,
-    with chunked prefill, prefix-cache hits and (Llama, Qwen3) preemption; each rank holds at
-    most 0.6x the weights."""
+    attention and the FFN, a decode of one row leaving a rank none; or DSA-CP: each rank picks
+    the top-k of its share of a prefill chunk's rows) gives TP=1's greedy tokens, with chunked
+    prefill, prefix-cache hits and (Llama, Qwen3) preemption; each rank holds at most 0.6x the
+    weights."""
     kw = _engine_kw(arch)
     ref = LLM(tiny[arch], **kw)
     want = _tokens(ref)
@@ -60,9 +62,23 @@ def test_two_ranks_equal_one(tiny, arch, ep, sp):
     ref_preempted = ref.engine.scheduler.num_preemptions
     ref_heat = ref.engine.executor.expert_counts() if arch.startswith("deepseek") else None
     ref.shutdown()
-    llm = LLM(tiny[arch], tensor_parallel_size=2, enable_expert_parallel=ep, enable_sequence_parallel=sp, **kw)
+    if cp:  # the trace shows step 26: each rank's rows, the choices gathered
+        tracer.enable()
+        tracer.drain()
     try:
-        assert _tokens(llm) == want
+        llm = LLM(tiny[arch], tensor_parallel_size=2, enable_expert_parallel=ep, enable_sequence_parallel=sp,
+                  enable_dsa_cp=cp, **kw)
+        got = _tokens(llm)
+        spans = tracer.drain()
+    finally:
+        tracer.enabled = False
+        tracer.drain()
+    try:
+        assert got == want
+        if cp:
+            gathers = [s for s in spans if s.step == Step.COMM_CP_GATHER]
+            assert {s.attrs["rank"] for s in gathers} == {0, 1}
+            assert all(s.attrs.get("allgather_bytes", 0) > 0 and "cp_rows_per_rank" in s.attrs for s in gathers)
         sched = llm.engine.scheduler
         assert sched.kv.stats.hits > 0  # the shared prefix was found in the cache
         if arch in ("llama", "qwen3"):
@@ -194,6 +210,7 @@ def _lane(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     (["serve", "--nnodes", "2", "--node-rank", "1", "-tp", "2"], "--node-rank 1 runs workers only: add --headless"),
     (["serve", "--nnodes", "2", "-tp", "3"], "--nnodes 2 does not divide tensor_parallel_size 3"),
     (["generate", "hi", "--enable-sequence-parallel"], "--enable-sequence-parallel splits each step's rows"),
+    (["generate", "hi", "-tp", "3", "--enable-dsa-cp"], "this one has no index_topk"),
 ])
 def test_impossible_layouts_are_refused_with_the_numbers(args, message):
     r = _lane(*args)

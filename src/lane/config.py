@@ -231,8 +231,13 @@ class ParallelConfig:
     # by the API server)
     data_parallel_rank: int = 0
     data_parallel_master_port: int = 0
+    # DSA context parallelism: a prefill chunk's indexer rows split over the tensor-parallel ranks
+    enable_dsa_cp: bool = False
 
     def __post_init__(self) -> None:
+        if self.enable_dsa_cp and self.tensor_parallel_size == 1:
+            raise ValueError("--enable-dsa-cp splits a prefill chunk's indexer rows over the tensor-parallel ranks: "
+                             "it needs --tensor-parallel-size > 1")
         if self.enable_sequence_parallel and self.tensor_parallel_size == 1:
             raise ValueError("--enable-sequence-parallel splits each step's rows over the tensor-parallel ranks: "
                              "it needs --tensor-parallel-size > 1")
@@ -308,6 +313,9 @@ class ParallelConfig:
         redundant = self.eplb_config.num_redundant_experts if self.enable_eplb else 0
         check_layout(hf_config, self.tensor_parallel_size, self.enable_expert_parallel, redundant,
                      ep=self.ep_size if self.enable_expert_parallel else None)
+        if self.enable_dsa_cp and not getattr(hf_config, "index_topk", None):
+            raise ValueError("--enable-dsa-cp is for models with a lightning indexer (DeepSeek V3.2 / V4 sparse "
+                             "layers); this one has no index_topk")
         if self.enable_eplb:
             check_eplb(hf_config, self.ep_size, redundant)
 
@@ -492,6 +500,7 @@ class EngineArgs:
     enable_eplb: bool = False
     eplb_config: dict | str | None = None  # JSON text or a dict (EplbConfig's fields)
     enable_sequence_parallel: bool = False
+    enable_dsa_cp: bool = False
     data_parallel_rank: int = 0  # set per engine by the API server (data-parallel attention)
     data_parallel_master_port: int = 0
     data_parallel_sync_path: str | None = None  # the engines' lock-step segment (engine/dp_coordinator.py)
@@ -506,7 +515,8 @@ class EngineArgs:
                               EplbConfig.parse(self.eplb_config),
                               enable_sequence_parallel=self.enable_sequence_parallel,
                               data_parallel_rank=self.data_parallel_rank,
-                              data_parallel_master_port=self.data_parallel_master_port)
+                              data_parallel_master_port=self.data_parallel_master_port,
+                              enable_dsa_cp=self.enable_dsa_cp)
 
     def create_model_config(self) -> ModelConfig:
         return ModelConfig(self.model, dtype=self.dtype, max_model_len=self.max_model_len, seed=self.seed,

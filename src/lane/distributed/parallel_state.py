@@ -179,6 +179,39 @@ _PLACEMENT = ExpertPlacement()
 _SP = SequenceParallel()
 
 
+_DSA_CP = False
+
+
+def set_dsa_context_parallel(enabled: bool) -> None:
+    """--enable-dsa-cp, for the indexers built next (every worker sets it before building)."""
+    global _DSA_CP
+    _DSA_CP = enabled
+
+
+def dsa_context_parallel() -> bool:
+    """DSA context parallelism: each rank scores its share of a prefill chunk's query rows with
+    a replicated lightning indexer, the ranks' top-k choices are all-gathered (step 26)."""
+    return _DSA_CP and _TP.world_size > 1
+
+
+def indexer_group() -> GroupCoordinator:
+    """The ranks a lightning indexer splits its heads over: the tensor-parallel group, or this
+    rank alone (every head, replicated) under DSA context parallelism."""
+    if dsa_context_parallel():
+        return GroupCoordinator("tp", [_TP.ranks[_TP.rank_in_group]], _TP.ranks[_TP.rank_in_group])
+    return _TP
+
+
+def context_parallel_rows(num_rows: int) -> tuple[int, int, list[int]] | None:
+    """Under DSA context parallelism, this rank's rows [lo, hi) of a chunk of ``num_rows`` and
+    every rank's count; None without it."""
+    if not dsa_context_parallel():
+        return None
+    splits = row_splits(num_rows, _TP.world_size)
+    lo = sum(splits[:_TP.rank_in_group])
+    return lo, lo + splits[_TP.rank_in_group], splits
+
+
 def set_sequence_parallel(enabled: bool) -> None:
     """What the model built next runs with (every worker sets it before building its model)."""
     _SP.enabled, _SP.splits = enabled, None

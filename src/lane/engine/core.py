@@ -354,7 +354,8 @@ class EngineCoreProc:
             skipped_steps(config.model_config.hf_config, config.parallel_config.tensor_parallel_size,
                           config.speculative_config is not None, config.kv_transfer_config is not None,
                           eplb=config.parallel_config.enable_eplb,
-                          sequence_parallel=config.parallel_config.enable_sequence_parallel)
+                          sequence_parallel=config.parallel_config.enable_sequence_parallel,
+                          dsa_cp=config.parallel_config.enable_dsa_cp)
             if tracer.enabled else None,
             occasional_steps(config.parallel_config.eplb_config if config.parallel_config.enable_eplb else None,
                              config.kv_transfer_config) if tracer.enabled else None))

@@ -73,6 +73,9 @@ def add_engine_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
     d.add_argument("--enable-sequence-parallel", action="store_true",
                    help="sequence parallelism (needs -tp > 1): between attention and the FFN each rank holds only "
                         "its rows; the all-reduces become reduce-scatters and all-gathers, norms run on 1/tp of the rows")
+    d.add_argument("--enable-dsa-cp", action="store_true",
+                   help="DSA context parallelism (V3.2 / V4 sparse layers, needs -tp > 1): each rank runs the lightning "
+                        "indexer, every head, for its share of a prefill chunk's rows; the top-k choices are gathered")
     d.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default=None,
                    help="mp (default past one rank): a process per rank; ray: Ray actors on a running cluster")
     d.add_argument("--nnodes", type=int, default=1, help="machines one replica's ranks span (mp backend)")
@@ -116,7 +119,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
                 worker_timeout=args.worker_timeout, speculative_config=args.speculative_config,
                 enable_eplb=args.enable_eplb, eplb_config=args.eplb_config,
-                enable_sequence_parallel=args.enable_sequence_parallel, kv_transfer_config=args.kv_transfer_config,
+                enable_sequence_parallel=args.enable_sequence_parallel, enable_dsa_cp=args.enable_dsa_cp,
+                kv_transfer_config=args.kv_transfer_config,
                 device=None if args.device == "auto" else args.device, rpc_secret_file=args.rpc_secret_file)
 
 

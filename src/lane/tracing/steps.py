@@ -101,13 +101,14 @@ DECODE_STEP = {Step.SCHEDULER_SCHEDULE: Step.SCHEDULER_DECODE_BATCH, Step.KV_ALL
 
 def skipped_steps(hf_config, tensor_parallel_size: int = 1, speculative: bool = False,
                   pd_disaggregation: bool = False, eplb: bool = False,
-                  sequence_parallel: bool = False) -> dict[int, str]:
+                  sequence_parallel: bool = False, dsa_cp: bool = False) -> dict[int, str]:
     """Steps this model and set-up never perform, and why (shown greyed in a trace)."""
     moe = any(getattr(hf_config, k, None) for k in ("n_routed_experts", "num_local_experts", "num_experts"))
     out: dict[int, str] = {}
     if not sequence_parallel:
         out[Step.COMM_SP_SCATTER] = "no sequence parallelism (--enable-sequence-parallel)"
-    out[Step.COMM_CP_GATHER] = "no context parallelism"
+    if not dsa_cp:
+        out[Step.COMM_CP_GATHER] = "no context parallelism (--enable-dsa-cp)"
     if tensor_parallel_size == 1:
         single = "single rank (TP=1): no process groups"
         out.update({Step.DIST_INIT: single, Step.DIST_BIND_GROUPS: single,

@@ -81,7 +81,8 @@ class Worker:
 
     def _init_distributed(self, pc, device: torch.device) -> None:
         """Steps 2 and 5: join the replica's world, hand the groups to the layers built next."""
-        from lane.distributed.parallel_state import init_distributed, set_model_parallel, set_sequence_parallel
+        from lane.distributed.parallel_state import (init_distributed, set_dsa_context_parallel, set_model_parallel,
+                                                     set_sequence_parallel)
 
         t0 = time.monotonic()
         if device.type == "cuda":  # one GPU per local rank (NCCL refuses two ranks on one)
@@ -96,6 +97,7 @@ class Worker:
         t1 = time.monotonic()
         set_model_parallel(tp, ep)
         set_sequence_parallel(pc.enable_sequence_parallel)
+        set_dsa_context_parallel(pc.enable_dsa_cp)
         if tracer.enabled:
             backend = "nccl" if device.type == "cuda" else "gloo"
             tracer.record(Step.DIST_INIT, t0, t1, backend=backend, world=pc.world_size, tp=tp.world_size,

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from lane import tracing
-from lane.distributed.parallel_state import get_tp_group
+from lane.distributed.parallel_state import context_parallel_rows, get_tp_group, indexer_group
 from lane.tracing import Step
 from lane.attention.metadata import PagedAttentionMetadata
 from lane.kv_cache_interface import IndexerKeySpec, KVCacheSpec
@@ -40,6 +40,24 @@ class SparseSelection:
     prefill_masks: list[torch.Tensor | None] = field(default_factory=list)  # per chunk: [n, total] bool
 
 
+def select_topk(num_rows: int, top_of) -> torch.Tensor:
+    """A prefill chunk's top-k choices [num_rows, k]: ``top_of(lo, hi)`` for every row, or under DSA
+    context parallelism for this rank's rows only, then every rank's all-gathered (step 26: the
+    chunk's keys are whole on every rank already, each rank selects for its rows, the choices
+    are gathered back)."""
+    cp = context_parallel_rows(num_rows)
+    if cp is None:
+        return top_of(0, num_rows)
+    lo, hi, splits = cp
+    mark = tracing.forward_mark()
+    mark(Step.COMM_CP_GATHER, stage="rows split", cp_rows_per_rank="/".join(map(str, splits)))
+    mine = top_of(lo, hi)
+    mark(Step.MODEL_INDEXER_TOPK)
+    top = get_tp_group().all_gather_rows(mine, splits, Step.COMM_CP_GATHER)
+    mark(Step.COMM_CP_GATHER, stage="choices gathered")
+    return top
+
+
 class Indexer(CacheLayer):
     decode_rows_independent = True
 
@@ -47,18 +65,20 @@ class Indexer(CacheLayer):
                  rotary: RotaryEmbedding) -> None:
         super().__init__()
         # split by heads over tensor-parallel ranks: each scores with its heads, the scores are
-        # summed (an all-reduce) before the top-k; the one shared key per token is whole on every rank
-        self.tp = get_tp_group()
+        # summed (an all-reduce) before the top-k; the one shared key per token is whole on every rank.
+        # Under DSA context parallelism every rank holds every head and scores its share of a
+        # prefill chunk's rows instead (select_topk)
+        self.tp = indexer_group()
         self.n_heads = n_heads // self.tp.world_size
         self.head_scale = n_heads ** -0.5  # over all heads
         self.head_dim = head_dim
         self.topk = topk
         self.softmax_scale = head_dim ** -0.5
-        self.wq_b = ColumnParallelLinear(q_lora_rank, n_heads * head_dim, bias=False)
+        self.wq_b = ColumnParallelLinear(q_lora_rank, n_heads * head_dim, bias=False, tp=self.tp)
         self.wk = Linear(hidden_size, head_dim, bias=False)
         self.k_norm = nn.LayerNorm(head_dim, eps=1e-6)
         # float32 as in the reference (it steers a discrete choice)
-        self.weights_proj = ColumnParallelLinear(hidden_size, n_heads, bias=False, dtype=torch.float32)
+        self.weights_proj = ColumnParallelLinear(hidden_size, n_heads, bias=False, dtype=torch.float32, tp=self.tp)
         self._rotary = (rotary,)  # shared with the model, not a submodule of this one
         self.k_cache = torch.empty(0)
 
@@ -95,9 +115,13 @@ class Indexer(CacheLayer):
                 continue
             keys = gather_blocks(kc, span.block_ids)[0, :total] if kc.numel() else k[s:e]
             causal = torch.arange(total)[None, :] <= torch.arange(span.num_computed, total)[:, None]
-            scores = torch.cat([self._scores(q[r:r + rows], weights[r:r + rows], keys)
-                                for r, rows in self._row_chunks(s, e, total)])
-            top = scores.masked_fill_(~causal, float("-inf")).topk(self.topk, dim=-1).indices
+
+            def top_of(a: int, b: int) -> torch.Tensor:  # rows [a, b) of the batch
+                scores = torch.cat([self._scores(q[r:r + rows], weights[r:r + rows], keys)
+                                    for r, rows in self._row_chunks(a, b, total)] or [q.new_zeros(0, total).float()])
+                return scores.masked_fill_(~causal[a - s:b - s], float("-inf")).topk(self.topk, dim=-1).indices
+
+            top = select_topk(e - s, lambda lo, hi: top_of(s + lo, s + hi))
             chosen = torch.zeros_like(causal).scatter_(1, top, True)
             sel.prefill_masks.append(chosen & causal)
         tracing.forward_mark()(Step.MODEL_INDEXER_TOPK)

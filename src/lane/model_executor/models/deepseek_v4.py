@@ -24,7 +24,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lane import platform, tracing
-from lane.distributed.parallel_state import get_tp_group, replica_local_experts, sequence_parallel_begin
+from lane.distributed.parallel_state import (get_tp_group, indexer_group, replica_local_experts,
+                                            sequence_parallel_begin)
+from lane.model_executor.layers.indexer import select_topk
 from lane.tracing import Step
 from lane.model_executor.layers.compressed_attention import (V4AttentionCache, V4RMSNorm, attend_with_sinks,
                                                              rope_tail, unweighted_rms_norm)
@@ -90,13 +92,16 @@ class CSAIndexer(nn.Module):
 
     def __init__(self, config, rate: int) -> None:
         super().__init__()
-        self.tp = get_tp_group()  # split by heads: the ranks' scores are summed before the top-k
+        # split by heads: the ranks' scores are summed before the top-k (every head on every rank
+        # under DSA context parallelism, which splits a prefill chunk's rows instead)
+        self.tp = indexer_group()
         self.n_heads = config.index_n_heads // self.tp.world_size
         self.head_scale = config.index_n_heads ** -0.5
         self.head_dim, self.topk = config.index_head_dim, config.index_topk
-        self.wq_b = ColumnParallelLinear(config.q_lora_rank, config.index_n_heads * self.head_dim, bias=False)
+        self.wq_b = ColumnParallelLinear(config.q_lora_rank, config.index_n_heads * self.head_dim, bias=False,
+                                         tp=self.tp)
         self.weights_proj = ColumnParallelLinear(config.hidden_size, config.index_n_heads, bias=False,
-                                                 dtype=torch.float32)
+                                                 dtype=torch.float32, tp=self.tp)
         self.compressor = Compressor(config.hidden_size, self.head_dim, rate, True, config.rms_norm_eps)
 
 
@@ -245,15 +250,22 @@ class DeepseekV4Attention(nn.Module):
     def _select(self, x, q_res, pos, keys, visible) -> torch.Tensor:
         """The indexer's top-k visible entries for each query row -> [rows, E] bool. keys:
         the indexer's entries, [E, d_I] (one request's chunk) or [rows, E, d_I] (decodes)."""
-        idx, n = self.indexer, x.shape[0]
-        cos, sin = self._rope[0].cos_sin("compress", pos)
-        q = rope_tail(idx.wq_b(q_res).view(n, idx.n_heads, idx.head_dim), cos[:, None], sin[:, None])
-        weights = idx.weights_proj(x.float()) * idx.head_scale  # [rows, H_I]
-        # relu, then the scale, then the weighted sum over heads: the reference's order
-        scores = torch.relu(torch.matmul(q.float(), keys.float().transpose(-1, -2))) * idx.head_dim ** -0.5
-        scores = idx.tp.all_reduce((scores * weights[..., None]).sum(dim=1).contiguous(), Step.MODEL_INDEXER_TOPK)
-        scores = scores.masked_fill(~visible, float("-inf"))
-        top = scores.topk(min(idx.topk, visible.shape[1]), dim=-1).indices
+        idx = self.indexer
+
+        def top_of(a: int, b: int) -> torch.Tensor:  # rows [a, b)
+            n = b - a
+            cos, sin = self._rope[0].cos_sin("compress", pos[a:b])
+            q = rope_tail(idx.wq_b(q_res[a:b]).view(n, idx.n_heads, idx.head_dim), cos[:, None], sin[:, None])
+            weights = idx.weights_proj(x[a:b].float()) * idx.head_scale  # [rows, H_I]
+            k = keys if keys.dim() == 2 else keys[a:b]
+            # relu, then the scale, then the weighted sum over heads: the reference's order
+            scores = torch.relu(torch.matmul(q.float(), k.float().transpose(-1, -2))) * idx.head_dim ** -0.5
+            scores = idx.tp.all_reduce((scores * weights[..., None]).sum(dim=1).contiguous(), Step.MODEL_INDEXER_TOPK)
+            scores = scores.masked_fill(~visible[a:b], float("-inf"))
+            return scores.topk(min(idx.topk, visible.shape[1]), dim=-1).indices
+
+        # a prefill chunk's rows may be split over the ranks (DSA context parallelism); decodes are not
+        top = select_topk(x.shape[0], top_of) if keys.dim() == 2 else top_of(0, x.shape[0])
         return torch.zeros_like(visible).scatter_(1, top, True)
 
 
