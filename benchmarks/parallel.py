@@ -11,7 +11,14 @@ figures it projects TP=16: a ring all-reduce over n ranks takes 2(n-1) latency s
 moves 2(n-1)/n of the tensor per rank, so from n ranks to 16 a collective's time grows by
 (15/16)/((n-1)/n) if bandwidth-bound (x1.9 from TP=2) and by 15/(n-1) if latency-bound (x15).
 
-    python benchmarks/parallel.py [--batch-sizes 1,8] [--new-tokens 32] [--models smollm,v32,v4]
+    python benchmarks/parallel.py [--batch-sizes 1,8] [--new-tokens 32] [--models smollm,v32,v4] [--no-dp]
+
+It also measures, in the same run: each collective through shared memory against gloo and a
+memcpy of the same bytes (2 and 3 ranks); every TP layout with sequence parallelism ("SP"),
+with DSA context parallelism on the sparse models ("SP+CP"; prompts longer than index_topk
+make the indexer select) and with gloo's collectives instead of shared memory ("gloo"); prefill
+time against TP=1; and ``lane serve -dp 2 --enable-expert-parallel`` (lock-step, all-to-all)
+against two independent replicas on the V4 model.
 
 The last line is a JSON object of the headline figures.
 """
@@ -200,16 +207,22 @@ def main() -> None:
     ap.add_argument("--dp-requests", type=int, default=16)
     args = ap.parse_args()
     check_quiet()
-    def tp(n: int, **kw) -> list[tuple[str, dict]]:  # shm collectives, + sequence parallelism, + gloo instead
-        return [(f"TP={n}", dict(tensor_parallel_size=n, **kw)),
-                (f"TP={n} SP", dict(tensor_parallel_size=n, enable_sequence_parallel=True, **kw)),
-                (f"TP={n} gloo", dict(tensor_parallel_size=n, gloo=True, **kw))]
+    def tp(n: int, cp: bool = False, **kw) -> list[tuple[str, dict]]:
+        """shm collectives; + sequence parallelism (+ DSA context parallelism); gloo instead."""
+        out = [(f"TP={n}", dict(tensor_parallel_size=n, **kw)),
+               (f"TP={n} SP", dict(tensor_parallel_size=n, enable_sequence_parallel=True, **kw)),
+               (f"TP={n} gloo", dict(tensor_parallel_size=n, gloo=True, **kw))]
+        if cp:
+            out.insert(2, (f"TP={n} SP+CP", dict(tensor_parallel_size=n, enable_sequence_parallel=True,
+                                                 enable_dsa_cp=True, **kw)))
+        return out
 
     models = {"smollm": (None, [("TP=1", {}), *tp(3)]),
               "v32": (cached_model("deepseek_v32", V32_DIR, V32_CONFIG),
-                      [("TP=1", {}), *tp(2), ("EP=2", dict(tensor_parallel_size=2, enable_expert_parallel=True))]),
+                      [("TP=1", {}), *tp(2, cp=True), ("EP=2", dict(tensor_parallel_size=2, enable_expert_parallel=True))]),
               "v4": (cached_model("deepseek_v4", V4_DIR, V4_CONFIG),
-                     [("TP=1", {}), *tp(2), ("EP=2", dict(tensor_parallel_size=2, enable_expert_parallel=True))])}
+                     [("TP=1", {}), *tp(2, cp=True),
+                      ("EP=2", dict(tensor_parallel_size=2, enable_expert_parallel=True))])}
     headline: dict = {}
     for world in (2, 3):
         floor = collective_floor(world)
