@@ -6,7 +6,10 @@ equals its solo run on one rank."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
 import random
+import signal
+import time
 
 import httpx2 as httpx
 import pytest
@@ -16,6 +19,14 @@ from lane.entrypoints.tiny_model import write_tiny_model
 from utils import RemoteServer, metric
 
 FP32 = dict(dtype="float32", show_progress=False)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +68,17 @@ def test_dp2_tp1_wide_ep_64_mixed_requests_balanced_and_equal_to_solo(tiny):
         with cf.ThreadPoolExecutor(64) as ex:
             got = list(ex.map(lambda pn: _complete(s, pn[0], pn[1]), zip(prompts, lens)))
         m = httpx.get(s.url + "/metrics").text
+        # a replica that dies takes its lock-step partner down with it (its next sync sees the pid
+        # gone), and /health fails at once
+        engines = s.engine_pids()
+        os.kill(engines[1], signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while httpx.get(s.url + "/health").status_code != 503:
+            assert time.monotonic() < deadline, "/health still answers 200"
+            time.sleep(0.1)
+        while _alive(engines[0]):
+            assert time.monotonic() < deadline, "the other replica still runs"
+            time.sleep(0.1)
     assert got == want
     assert metric(m, "lane:dp_imbalance") / 2 <= 1.5  # the same figure on both replicas
     assert metric(m, "lane:dp_admission_frozen_steps_total") > 0
