@@ -226,6 +226,10 @@ def sequence_parallel_begin(num_rows: int) -> list[int] | None:
     return _SP.splits
 
 
+def sequence_parallel_enabled() -> bool:
+    return _SP.enabled and _TP.world_size > 1
+
+
 def sequence_parallel_splits() -> list[int] | None:
     """The rows per rank of the forward under way; None without sequence parallelism."""
     return _SP.splits if _SP.enabled and _TP.world_size > 1 else None

@@ -102,8 +102,12 @@ class FusedMoE(nn.Module):
         # expert parallel: whole experts in slots [expert_start, expert_start + local_experts); else a
         # 1/tp slice of every expert's intermediate
         self.ep_size, self.tp_size = ep.world_size, (1 if ep.world_size > 1 else tp.world_size)
-        # the experts span ranks that hold other tokens (data-parallel attention): dispatch by all-to-all
-        self.all_to_all = ep.world_size > tp.world_size
+        # the experts span ranks that hold other tokens (data-parallel attention), or every rank holds
+        # its own rows (sequence parallelism with whole experts per rank): each token is routed once,
+        # on its own rank, and dispatched by all-to-all
+        from lane.distributed.parallel_state import sequence_parallel_enabled
+
+        self.all_to_all = ep.world_size > tp.world_size or (ep.world_size > 1 and sequence_parallel_enabled())
         self.ep = ep
         self.tp_rank = tp.rank_in_group if self.tp_size > 1 else 0
         self.local_experts = self.num_physical // self.ep_size
