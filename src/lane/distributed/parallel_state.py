@@ -217,22 +217,20 @@ def set_sequence_parallel(enabled: bool) -> None:
     _SP.enabled, _SP.splits = enabled, None
 
 
-def sequence_parallel_begin(num_rows: int) -> list[int] | None:
-    """A forward of ``num_rows`` rows starts: under sequence parallelism, the rows each rank
-    will hold (None without it, or at one rank)."""
-    if not _SP.enabled or _TP.world_size == 1:
-        return None
-    _SP.splits = row_splits(num_rows, _TP.world_size)
-    return _SP.splits
-
-
 def sequence_parallel_enabled() -> bool:
     return _SP.enabled and _TP.world_size > 1
 
 
+def sequence_parallel_begin(num_rows: int) -> None:
+    """A forward of ``num_rows`` rows starts: under sequence parallelism, set the rows each rank
+    will hold."""
+    if sequence_parallel_enabled():
+        _SP.splits = row_splits(num_rows, _TP.world_size)
+
+
 def sequence_parallel_splits() -> list[int] | None:
     """The rows per rank of the forward under way; None without sequence parallelism."""
-    return _SP.splits if _SP.enabled and _TP.world_size > 1 else None
+    return _SP.splits if sequence_parallel_enabled() else None
 
 
 def get_tp_group() -> GroupCoordinator:

@@ -54,13 +54,12 @@ class ShmCommunicator:
     """One group's segment and its collectives. Every rank of the group calls the same
     collectives in the same order (as with any process group)."""
 
-    def __init__(self, path: str, world: int, rank: int, slot_bytes: int, timeout_s: float, create: bool) -> None:
+    def __init__(self, path: str, world: int, rank: int, slot_bytes: int, timeout_s: float) -> None:
+        """Map the segment at ``path`` (made by ``create_segment``) as rank ``rank``."""
         size = self.segment_bytes(world, slot_bytes)
         lib = cpu_kernels.native()
-        fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+        fd = os.open(path, os.O_RDWR)
         try:
-            if create:
-                os.posix_fallocate(fd, 0, size)
             self._mm = mmap.mmap(fd, size)
         finally:
             os.close(fd)
@@ -83,7 +82,8 @@ class ShmCommunicator:
     @classmethod
     def create_segment(cls, world: int, slot_bytes: int) -> str:
         """A new 0600 segment for ``world`` ranks that other processes attach to by its path
-        (``ShmCommunicator(path, ..., create=False)``); the creator unlinks it once they have."""
+        (``ShmCommunicator(path, ...)``); the creator unlinks it once they have. Its space is
+        reserved now: a full tmpfs is an error here, not a SIGBUS at the first touch."""
         fd, path = tempfile.mkstemp(prefix="lane-shm-", dir=_shm_dir())
         try:
             os.posix_fallocate(fd, 0, cls.segment_bytes(world, slot_bytes))
@@ -107,10 +107,8 @@ class ShmCommunicator:
         comm = None
         if rank == 0:
             try:
-                fd, path = tempfile.mkstemp(prefix="lane-shm-", dir=_shm_dir())
-                os.close(fd)
-                os.unlink(path)  # re-created exclusively, 0600, by the constructor
-                comm = cls(path, world, rank, slot_bytes, timeout_s, create=True)
+                path = cls.create_segment(world, slot_bytes)
+                comm = cls(path, world, rank, slot_bytes, timeout_s)
                 raw = path.encode()
                 name[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
             except OSError as e:
@@ -120,7 +118,7 @@ class ShmCommunicator:
         ok = torch.tensor([1 if path else 0], dtype=torch.int64)
         if path and rank != 0:
             try:
-                comm = cls(path, world, rank, slot_bytes, timeout_s, create=False)
+                comm = cls(path, world, rank, slot_bytes, timeout_s)
             except OSError as e:
                 logger.warning("shared-memory segment %s not mapped (%s); using gloo", path, e)
                 ok.zero_()

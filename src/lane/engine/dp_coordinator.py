@@ -23,7 +23,6 @@ import torch
 from lane.metrics.stats import DPStats
 
 SLOT_BYTES = 4096
-_FIELDS = 5  # has_work, running, waiting, at_cap, scheduled
 
 
 @dataclass
@@ -47,19 +46,23 @@ class DPCoordinator:
                  poll_s: float = 0.005, window: int = 64) -> None:
         from lane.distributed.shm_comm import ShmCommunicator
 
-        self.comm = ShmCommunicator(path, dp_size, dp_rank, SLOT_BYTES, timeout_s, create=False)
-        self.dp_size, self.dp_rank, self.max_num_seqs, self.poll_s = dp_size, dp_rank, max_num_seqs, poll_s
-        self._scheduled: deque[torch.Tensor] = deque(maxlen=window)
+        self.comm = ShmCommunicator(path, dp_size, dp_rank, SLOT_BYTES, timeout_s)
+        self.max_num_seqs, self.poll_s = max_num_seqs, poll_s
+        self._scheduled: deque[torch.Tensor] = deque(maxlen=window)  # the window's steps with work
+        self._window_total = torch.zeros(dp_size, dtype=torch.int64)  # their sum, kept as they come and go
         self.stats = DPStats(running=[0] * dp_size)
 
     def sync(self, has_work: bool, running: int, waiting: int, scheduled_last: int) -> DPRound:
         """Every replica calls this once a loop turn, in the same order."""
         me = torch.tensor([int(has_work), running, waiting, int(running >= self.max_num_seqs), scheduled_last],
                           dtype=torch.int64)
-        table = self.comm.all_gather(me)  # [dp, _FIELDS]
+        table = self.comm.all_gather(me)  # [dp, 5]
         if int(table[:, 4].sum()):
+            if len(self._scheduled) == self._scheduled.maxlen:
+                self._window_total -= self._scheduled[0]
             self._scheduled.append(table[:, 4].clone())
-            total = torch.stack(tuple(self._scheduled)).sum(0).double()
+            self._window_total += self._scheduled[-1]
+            total = self._window_total.double()
             self.stats.imbalance = float(total.max() / total.mean())
         rnd = DPRound(bool(table[:, 0].any()), bool(table[:, 3].any()), table[:, 1].tolist(), table[:, 2].tolist())
         if rnd.any_work:
@@ -67,8 +70,5 @@ class DPCoordinator:
             self.stats.frozen_steps += rnd.frozen
         self.stats.running = rnd.running
         return rnd
-
-    def close(self) -> None:
-        self.comm = None
 
 

@@ -142,43 +142,48 @@ class ExampleConnector(KVConnectorBase):
     # -- worker side: one file per cache layer and rank ------------------------------------------
     def start_load_kv(self) -> None:
         meta = self._meta
-        if not isinstance(meta, ExampleConnectorMetadata) or not meta.loads:
-            return
-        t0 = time.perf_counter()
-        for spec in meta.loads:
-            t1, nbytes = time.monotonic(), 0
-            d = os.path.join(self.root, spec.key)
-            with open(os.path.join(d, f"done.r{self.rank}.json")) as f:
-                positions = json.load(f)["positions"]
-            for module, names in self.layers.items():
-                data = load_file(os.path.join(d, f"{module}.r{self.rank}.safetensors"))
-                nbytes += scatter({n: self.kv_caches[n] for n in names}, self.group_of, spec.plan, data, positions)
-            self.stats.bytes_received += nbytes
-            self._span(spec, "load", t1, nbytes)
-        self.stats.seconds += time.perf_counter() - t0
+        if isinstance(meta, ExampleConnectorMetadata) and meta.loads:
+            self._transfer(meta.loads, "load", self._load)
 
     def wait_for_save(self) -> None:
         meta = self._meta
-        if not isinstance(meta, ExampleConnectorMetadata) or not meta.saves:
-            return
+        if isinstance(meta, ExampleConnectorMetadata) and meta.saves:
+            self._transfer(meta.saves, "save", self._save)
+
+    def _transfer(self, specs: list[TransferSpec], direction: str, move) -> None:
+        """Each request's blocks moved by ``move(spec, its directory) -> bytes``, timed into the
+        stats and step 55."""
         t0 = time.perf_counter()
-        for spec in meta.saves:
-            t1, nbytes = time.monotonic(), 0
-            d = os.path.join(self.root, spec.key)
-            os.makedirs(d, exist_ok=True)
-            for module, names in self.layers.items():
-                data = gather({n: self.kv_caches[n] for n in names}, self.group_of, spec.plan)
-                tmp = os.path.join(d, f".{module}.r{self.rank}.{os.getpid()}.tmp")
-                save_file(data, tmp)
-                os.replace(tmp, os.path.join(d, f"{module}.r{self.rank}.safetensors"))
-                nbytes += sum(t.numel() * t.element_size() for t in data.values())
-            self.stats.bytes_sent += nbytes
-            done = os.path.join(d, f"done.r{self.rank}.json")  # last: the scheduler's sign it is whole
-            with open(done + ".tmp", "w") as f:
-                json.dump({"positions": [[p for p, _ in g] for g in spec.plan]}, f)
-            os.replace(done + ".tmp", done)
-            self._span(spec, "save", t1, nbytes)
+        for spec in specs:
+            t1 = time.monotonic()
+            self._span(spec, direction, t1, move(spec, os.path.join(self.root, spec.key)))
         self.stats.seconds += time.perf_counter() - t0
+
+    def _load(self, spec: TransferSpec, d: str) -> int:
+        nbytes = 0
+        with open(os.path.join(d, f"done.r{self.rank}.json")) as f:
+            positions = json.load(f)["positions"]
+        for module, names in self.layers.items():
+            data = load_file(os.path.join(d, f"{module}.r{self.rank}.safetensors"))
+            nbytes += scatter({n: self.kv_caches[n] for n in names}, self.group_of, spec.plan, data, positions)
+        self.stats.bytes_received += nbytes
+        return nbytes
+
+    def _save(self, spec: TransferSpec, d: str) -> int:
+        nbytes = 0
+        os.makedirs(d, exist_ok=True)
+        for module, names in self.layers.items():
+            data = gather({n: self.kv_caches[n] for n in names}, self.group_of, spec.plan)
+            tmp = os.path.join(d, f".{module}.r{self.rank}.{os.getpid()}.tmp")
+            save_file(data, tmp)
+            os.replace(tmp, os.path.join(d, f"{module}.r{self.rank}.safetensors"))
+            nbytes += sum(t.numel() * t.element_size() for t in data.values())
+        self.stats.bytes_sent += nbytes
+        done = os.path.join(d, f"done.r{self.rank}.json")  # last: the scheduler's sign it is whole
+        with open(done + ".tmp", "w") as f:
+            json.dump({"positions": [[p for p, _ in g] for g in spec.plan]}, f)
+        os.replace(done + ".tmp", done)
+        return nbytes
 
     def _span(self, spec: TransferSpec, direction: str, t0: float, nbytes: int) -> None:
         """Step 55 for one request's blocks."""

@@ -30,10 +30,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lane import tracing
+from lane.distributed.parallel_state import (get_ep_group, get_expert_placement, get_tp_group, row_splits,
+                                            sequence_parallel_enabled, sequence_parallel_splits)
 from lane.eplb.placement import ExpertMap
 from lane.model_executor.layers.activation import silu_and_mul
 from lane.model_executor.layers import cpu_kernels
 from lane.model_executor.layers.linear import int8_linear, linear
+from lane.tracing import Step
 
 
 def grouped_topk(router_logits: torch.Tensor, top_k: int, *, scoring_func: str = "sigmoid",
@@ -89,8 +92,6 @@ class FusedMoE(nn.Module):
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  swiglu_limit: float | None = None) -> None:
-        from lane.distributed.parallel_state import get_ep_group, get_expert_placement, get_tp_group
-
         super().__init__()
         self.swiglu_limit = swiglu_limit  # V4 clamps gate (above) and up (both sides)
         self.num_experts = num_experts
@@ -105,8 +106,6 @@ class FusedMoE(nn.Module):
         # the experts span ranks that hold other tokens (data-parallel attention), or every rank holds
         # its own rows (sequence parallelism with whole experts per rank): each token is routed once,
         # on its own rank, and dispatched by all-to-all
-        from lane.distributed.parallel_state import sequence_parallel_enabled
-
         self.all_to_all = ep.world_size > tp.world_size or (ep.world_size > 1 and sequence_parallel_enabled())
         self.ep = ep
         self.tp_rank = tp.rank_in_group if self.tp_size > 1 else 0
@@ -236,8 +235,6 @@ class FusedMoE(nn.Module):
         """x [T, H]: this rank's rows, routed here alone -> [T, H], the routed experts' whole sum
         for them. Each pair's row goes to its slot's rank and its output comes back (step 31);
         the owners compute (step 30)."""
-        from lane.tracing import Step
-
         mark = tracing.forward_mark()
         k = topk_ids.shape[1]
         if self.expert_map is not None:
@@ -286,8 +283,6 @@ def _runs(ids: list[int]) -> list[slice]:
 def share_rows(tp, x: torch.Tensor) -> torch.Tensor:
     """This rank's share of rows every rank of its replica holds (dim 0 split as
     ``row_splits``): under data-parallel attention each token is routed once, by one rank."""
-    from lane.distributed.parallel_state import row_splits
-
     if tp.world_size == 1:
         return x
     splits = row_splits(x.shape[0], tp.world_size)
@@ -299,9 +294,6 @@ def combine_routed(tp, routed: torch.Tensor, shared: torch.Tensor | None, num_ro
     """The FFN's output rows this rank hands on: its share's routed sums (``routed``) gathered
     over the replica's ranks (under sequence parallelism it keeps its own rows), plus the shared
     experts' partial sums reduced over them (step 31)."""
-    from lane.distributed.parallel_state import row_splits, sequence_parallel_splits
-    from lane.tracing import Step
-
     if tp.world_size == 1:
         return routed if shared is None else routed + shared
     splits = row_splits(num_rows, tp.world_size)
