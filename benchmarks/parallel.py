@@ -253,6 +253,8 @@ def main() -> None:
                       f"collectives {r['comm_ms']:.2f} ms a step ({r['comm_ms'] / r['step_ms']:.0%}); prefill "
                       f"{r['prefill_ms']:.1f} ms ({base['prefill_ms'] / r['prefill_ms']:.2f}x TP=1){rows}")
                 for span, c in r["collectives"].items():
+                    if c["calls"] < 0.5:  # a prefill-only collective (DSA-CP's): none in decode steps
+                        continue
                     print(f"    {span:<20} {c['calls']:5.1f} calls {c['bytes'] / 1024:9.1f} KiB {c['ms']:7.3f} ms "
                           f"a step ({c['ms'] / max(c['calls'], 1e-9) * 1e3:6.1f} us a call)")
                 if label != "TP=1":

@@ -51,8 +51,8 @@ def _engine_kw(arch: str) -> dict:
                                            ("deepseek_v4", True, True, True)])
 def test_two_ranks_equal_one(tiny, arch, ep, sp, cp):
     """TP=2 (or EP=2: whole experts per rank; or SP: each rank holds only its rows between
-    attention and the FFN, a decode of one row leaving a rank none; or DSA-CP: each rank picks
-    the top-k of its share of a prefill chunk's rows) gives TP=1's greedy tokens, with chunked
+    attention and the FFN, a decode of one row leaving a rank none; or DSA-CP: each rank runs
+    the indexer and sparse attention for its share of a prefill step's rows, every head) gives TP=1's greedy tokens, with chunked
     prefill, prefix-cache hits and (Llama, Qwen3) preemption; each rank holds at most 0.6x the
     weights."""
     kw = _engine_kw(arch)
@@ -62,7 +62,7 @@ def test_two_ranks_equal_one(tiny, arch, ep, sp, cp):
     ref_preempted = ref.engine.scheduler.num_preemptions
     ref_heat = ref.engine.executor.expert_counts() if arch.startswith("deepseek") else None
     ref.shutdown()
-    if cp:  # the trace shows step 26: each rank's rows, the choices gathered
+    if cp:  # the trace shows step 26: each rank's rows, its stages
         tracer.enable()
         tracer.drain()
     try:
@@ -78,7 +78,9 @@ def test_two_ranks_equal_one(tiny, arch, ep, sp, cp):
         if cp:
             gathers = [s for s in spans if s.step == Step.COMM_CP_GATHER]
             assert {s.attrs["rank"] for s in gathers} == {0, 1}
-            assert all(s.attrs.get("allgather_bytes", 0) > 0 and "cp_rows_per_rank" in s.attrs for s in gathers)
+            # the three stages: q heads -> rows (all-to-all), each rank's context, outputs rows -> heads
+            assert all(s.attrs.get("alltoall_bytes", 0) > 0 and "cp_rows_per_rank" in s.attrs
+                       and s.attrs["stage"].count(",") == 2 for s in gathers)
         sched = llm.engine.scheduler
         assert sched.kv.stats.hits > 0  # the shared prefix was found in the cache
         if arch in ("llama", "qwen3"):

@@ -231,7 +231,7 @@ class ParallelConfig:
     # by the API server)
     data_parallel_rank: int = 0
     data_parallel_master_port: int = 0
-    # DSA context parallelism: a prefill chunk's indexer rows split over the tensor-parallel ranks
+    # DSA context parallelism: a prefill step's sparse attention split by rows over the tensor-parallel ranks
     enable_dsa_cp: bool = False
 
     def __post_init__(self) -> None:

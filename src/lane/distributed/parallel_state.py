@@ -189,22 +189,23 @@ def set_dsa_context_parallel(enabled: bool) -> None:
 
 
 def dsa_context_parallel() -> bool:
-    """DSA context parallelism: each rank scores its share of a prefill chunk's query rows with
-    a replicated lightning indexer, the ranks' top-k choices are all-gathered (step 26)."""
+    """DSA context parallelism: a prefill step's sparse attention is split by query rows over the
+    tensor-parallel ranks instead of by heads (``layers/context_parallel.py``, step 26)."""
     return _DSA_CP and _TP.world_size > 1
 
 
-def indexer_group() -> GroupCoordinator:
-    """The ranks a lightning indexer splits its heads over: the tensor-parallel group, or this
-    rank alone (every head, replicated) under DSA context parallelism."""
+def dsa_head_group() -> GroupCoordinator:
+    """The ranks that a DSA layer's per-head pieces which attention needs for every head of a
+    row (the lightning indexer, MLA's ``kv_b_proj``, V4's sinks) are split over: the
+    tensor-parallel group, or under DSA context parallelism this rank alone (replicated)."""
     if dsa_context_parallel():
         return GroupCoordinator("tp", [_TP.ranks[_TP.rank_in_group]], _TP.ranks[_TP.rank_in_group])
     return _TP
 
 
 def context_parallel_rows(num_rows: int) -> tuple[int, int, list[int]] | None:
-    """Under DSA context parallelism, this rank's rows [lo, hi) of a chunk of ``num_rows`` and
-    every rank's count; None without it."""
+    """Under DSA context parallelism, this rank's rows [lo, hi) of a step of ``num_rows`` rows
+    (the split sequence parallelism uses) and every rank's count; None without it."""
     if not dsa_context_parallel():
         return None
     splits = row_splits(num_rows, _TP.world_size)

@@ -74,8 +74,8 @@ def add_engine_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
                    help="sequence parallelism (needs -tp > 1): between attention and the FFN each rank holds only "
                         "its rows; the all-reduces become reduce-scatters and all-gathers, norms run on 1/tp of the rows")
     d.add_argument("--enable-dsa-cp", action="store_true",
-                   help="DSA context parallelism (V3.2 / V4 sparse layers, needs -tp > 1): each rank runs the lightning "
-                        "indexer, every head, for its share of a prefill chunk's rows; the top-k choices are gathered")
+                   help="DSA context parallelism (V3.2 / V4 sparse layers, needs -tp > 1): in a prefill step each rank "
+                        "runs the lightning indexer and sparse attention for its share of the rows, every head")
     d.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default=None,
                    help="mp (default past one rank): a process per rank; ray: Ray actors on a running cluster")
     d.add_argument("--nnodes", type=int, default=1, help="machines one replica's ranks span (mp backend)")

@@ -20,14 +20,15 @@ import torch
 import torch.nn as nn
 
 from lane import tracing
-from lane.distributed.parallel_state import context_parallel_rows, get_tp_group, indexer_group
+from lane.distributed.parallel_state import dsa_head_group
 from lane.tracing import Step
 from lane.attention.metadata import PagedAttentionMetadata
 from lane.kv_cache_interface import IndexerKeySpec, KVCacheSpec
 from lane.model_executor.layers.attention import CacheLayer, gather_blocks
+from lane.model_executor.layers.context_parallel import RowWindow
 from lane.model_executor.layers.linear import Linear
 from lane.model_executor.layers.parallel_linear import ColumnParallelLinear
-from lane.model_executor.layers.rotary_embedding import RotaryEmbedding
+from lane.model_executor.layers.rotary_embedding import RotaryEmbedding, rope_rows
 
 _SCORE_CHUNK_ELEMS = 1 << 26  # bounds a prefill chunk's [rows, heads, context] score tensor
 
@@ -38,24 +39,7 @@ class SparseSelection:
     decode_topk: torch.Tensor | None = None  # [num_decodes, k] token positions
     decode_valid: torch.Tensor | None = None  # [num_decodes, k] False where the context was shorter
     prefill_masks: list[torch.Tensor | None] = field(default_factory=list)  # per chunk: [n, total] bool
-
-
-def select_topk(num_rows: int, top_of) -> torch.Tensor:
-    """A prefill chunk's top-k choices [num_rows, k]: ``top_of(lo, hi)`` for every row, or under DSA
-    context parallelism for this rank's rows only, then every rank's all-gathered (step 26: the
-    chunk's keys are whole on every rank already, each rank selects for its rows, the choices
-    are gathered back)."""
-    cp = context_parallel_rows(num_rows)
-    if cp is None:
-        return top_of(0, num_rows)
-    lo, hi, splits = cp
-    mark = tracing.forward_mark()
-    mark(Step.COMM_CP_GATHER, stage="rows split", cp_rows_per_rank="/".join(map(str, splits)))
-    mine = top_of(lo, hi)
-    mark(Step.MODEL_INDEXER_TOPK)
-    top = get_tp_group().all_gather_rows(mine, splits, Step.COMM_CP_GATHER)
-    mark(Step.COMM_CP_GATHER, stage="choices gathered")
-    return top
+    # (the rows are those attended: all, or under DSA context parallelism this rank's)
 
 
 class Indexer(CacheLayer):
@@ -66,9 +50,8 @@ class Indexer(CacheLayer):
         super().__init__()
         # split by heads over tensor-parallel ranks: each scores with its heads, the scores are
         # summed (an all-reduce) before the top-k; the one shared key per token is whole on every rank.
-        # Under DSA context parallelism every rank holds every head and scores its share of a
-        # prefill chunk's rows instead (select_topk)
-        self.tp = indexer_group()
+        # Under DSA context parallelism every rank holds every head and scores its rows only
+        self.tp = dsa_head_group()
         self.n_heads = n_heads // self.tp.world_size
         self.head_scale = n_heads ** -0.5  # over all heads
         self.head_dim = head_dim
@@ -86,44 +69,43 @@ class Indexer(CacheLayer):
                        enable_prefix_caching: bool) -> dict[str, KVCacheSpec]:
         return {"k_cache": IndexerKeySpec(block_size, dtype, self.head_dim)}
 
-    def forward(self, rope, x: torch.Tensor, q_resid: torch.Tensor) -> SparseSelection:
-        """x [T, hidden] (the layer's normed input), q_resid [T, q_lora_rank]."""
+    def forward(self, rope, x: torch.Tensor, q_resid: torch.Tensor, win: RowWindow | None = None
+                ) -> SparseSelection:
+        """x [T, hidden] (the layer's normed input), q_resid [T, q_lora_rank]. Every row's key
+        goes into the cache; the choices are made for every row, or under DSA context
+        parallelism (``win``) for this rank's rows only, which are then the selection's rows."""
         md: PagedAttentionMetadata = self.attn_metadata("k_cache")
         T = x.shape[0]
-        q = self.wq_b(q_resid).view(T, self.n_heads, self.head_dim)
-        k = self.k_norm(self.wk(x)).view(T, 1, self.head_dim)
-        q, k = self._rotary[0](rope, q, k)  # half-split rope on the first rope dims
-        k = k.view(T, self.head_dim)
+        lo, hi = (win.lo, win.hi) if win is not None else (0, T)
+        rot = self._rotary[0]  # half-split rope on the first rope dims
+        q = rot.rotate(rope_rows(rope, lo, hi), self.wq_b(q_resid[lo:hi]).view(hi - lo, self.n_heads, self.head_dim))
+        k = rot.rotate(rope, self.k_norm(self.wk(x)).view(T, 1, self.head_dim)).view(T, self.head_dim)
         kc = self.k_cache
         if kc.numel():
             bs = kc.shape[2]
             kc[md.slot_mapping // bs, 0, md.slot_mapping % bs] = k
-        weights = self.weights_proj(x.float()) * self.head_scale  # [T, H]
+        weights = self.weights_proj(x[lo:hi].float()) * self.head_scale  # [rows, H]
         sel = SparseSelection()
-        nd = md.num_decodes
-        if nd and int(md.decode_context_lens.max()) > self.topk:
-            keys = gather_blocks(kc, md.decode_block_tables)[:, 0]  # [B, L, D]
-            scores = self._scores(q[:nd], weights[:nd], keys)  # [B, L]
-            pad = torch.arange(keys.shape[1])[None, :] >= md.decode_context_lens.long()[:, None]
+        a, b = min(lo, md.num_decodes), min(hi, md.num_decodes)  # this rank's decode rows
+        if b > a and int(md.decode_context_lens[a:b].max()) > self.topk:
+            keys = gather_blocks(kc, md.decode_block_tables[a:b])[:, 0]  # [B, L, D]
+            scores = self._scores(q[a - lo:b - lo], weights[a - lo:b - lo], keys)  # [B, L]
+            pad = torch.arange(keys.shape[1])[None, :] >= md.decode_context_lens[a:b].long()[:, None]
             top = scores.masked_fill_(pad, float("-inf")).topk(self.topk, dim=-1)
             sel.decode_topk, sel.decode_valid = top.indices, top.values > float("-inf")
         for span in md.prefills:
             s, e = span.query_start, span.query_end
+            a, b = (s, e) if win is None else win.clip(s, e)
             total = span.num_computed + (e - s)
-            if total <= self.topk:
+            if total <= self.topk or a == b:
                 sel.prefill_masks.append(None)
                 continue
             keys = gather_blocks(kc, span.block_ids)[0, :total] if kc.numel() else k[s:e]
-            causal = torch.arange(total)[None, :] <= torch.arange(span.num_computed, total)[:, None]
-
-            def top_of(a: int, b: int) -> torch.Tensor:  # rows [a, b) of the batch
-                scores = torch.cat([self._scores(q[r:r + rows], weights[r:r + rows], keys)
-                                    for r, rows in self._row_chunks(a, b, total)] or [q.new_zeros(0, total).float()])
-                return scores.masked_fill_(~causal[a - s:b - s], float("-inf")).topk(self.topk, dim=-1).indices
-
-            top = select_topk(e - s, lambda lo, hi: top_of(s + lo, s + hi))
-            chosen = torch.zeros_like(causal).scatter_(1, top, True)
-            sel.prefill_masks.append(chosen & causal)
+            causal = torch.arange(total)[None, :] <= torch.arange(span.num_computed, total)[a - s:b - s, None]
+            scores = torch.cat([self._scores(q[r - lo:r - lo + n], weights[r - lo:r - lo + n], keys)
+                                for r, n in self._row_chunks(a, b, total)])
+            top = scores.masked_fill_(~causal, float("-inf")).topk(self.topk, dim=-1).indices
+            sel.prefill_masks.append(torch.zeros_like(causal).scatter_(1, top, True) & causal)
         tracing.forward_mark()(Step.MODEL_INDEXER_TOPK)
         return sel
 

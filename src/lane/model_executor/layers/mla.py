@@ -15,7 +15,10 @@ never reach the cache.
   V3) instead of 128 heads x 384.
 
 With a lightning indexer (DSA, DeepSeek V3.2) the attention covers only the
-tokens it selected; see ``indexer.py``.
+tokens it selected; see ``indexer.py``. Under DSA context parallelism a prefill
+step's rows are split over the ranks, each attending its rows with every head
+(``context_parallel.py``): those rows use the absorbed form too, against the
+latent of the tokens they may see, so ``kv_b_proj`` is expanded for no context.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from lane.model_executor.layers import cpu_kernels
 from lane.attention.metadata import PagedAttentionMetadata, PrefillSpan
 from lane.kv_cache_interface import KVCacheSpec, MLAAttentionSpec
 from lane.model_executor.layers.attention import CacheLayer, decode_attention_torch, gather_blocks
+from lane.model_executor.layers.context_parallel import RowWindow, mark_context_gathered
 from lane.model_executor.layers.indexer import SparseSelection
 from lane.model_executor.layers.linear import Linear
 
@@ -36,9 +40,12 @@ class MLAAttention(CacheLayer):
     decode_rows_independent = True
 
     def __init__(self, num_heads: int, kv_lora_rank: int, qk_nope_head_dim: int, qk_rope_head_dim: int,
-                 v_head_dim: int, scale: float, kv_b_proj: Linear) -> None:
+                 v_head_dim: int, scale: float, kv_b_proj: Linear, head_offset: int = 0) -> None:
         super().__init__()
+        # the heads kv_b_proj holds; a query with fewer (a decode split by heads while kv_b_proj is
+        # whole, under DSA context parallelism) is heads [head_offset, ...) of them
         self.num_heads = num_heads
+        self.head_offset = head_offset
         self.kv_lora_rank = kv_lora_rank
         self.qk_nope_head_dim = qk_nope_head_dim
         self.qk_rope_head_dim = qk_rope_head_dim
@@ -67,11 +74,12 @@ class MLAAttention(CacheLayer):
         return self._absorbed
 
     def forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
-                sparse: SparseSelection | None = None) -> torch.Tensor:
-        """q_nope [T, H, nope], q_pe [T, H, rope] (roped), latent [T, kv_lora_rank]
-        (normalised), k_pe [T, rope] (roped) -> [T, H * v_head_dim]"""
+                sparse: SparseSelection | None = None, win: RowWindow | None = None) -> torch.Tensor:
+        """q_nope [R, H, nope], q_pe [R, H, rope] (roped) for the R rows attended: every row of
+        the step, or under DSA context parallelism (``win``) this rank's; latent [T, kv_lora_rank]
+        (normalised), k_pe [T, rope] (roped) for every row -> [R, H * v_head_dim]"""
         md: PagedAttentionMetadata = self.attn_metadata("kv_cache")
-        T = q_nope.shape[0]
+        R = q_nope.shape[0]
         entry = torch.cat((latent, k_pe), dim=-1)  # what one token keeps
         kc = self.kv_cache
         if kc.numel():  # step 24: latents into their slots
@@ -79,16 +87,46 @@ class MLAAttention(CacheLayer):
             kc[md.slot_mapping // bs, 0, md.slot_mapping % bs] = entry
         mark = tracing.forward_mark()
         mark(Step.OPS_KV_WRITE)
-        out = q_nope.new_empty(T, self.num_heads, self.v_head_dim)
-        nd = md.num_decodes
-        if nd:
-            out[:nd] = self._decode(q_nope[:nd], q_pe[:nd], md, sparse)
+        out = q_nope.new_empty(R, q_nope.shape[1], self.v_head_dim)
+        lo, nd = win.lo if win is not None else 0, md.num_decodes
+        a, b = (0, nd) if win is None else win.clip(0, nd)
+        if b > a:
+            topk = None if sparse is None or sparse.decode_topk is None else (sparse.decode_topk, sparse.decode_valid)
+            out[a - lo:b - lo] = self._decode(q_nope[a - lo:b - lo], q_pe[a - lo:b - lo],
+                                              md.decode_block_tables[a:b], md.decode_context_lens[a:b], topk)
         for i, span in enumerate(md.prefills):
             s, e = span.query_start, span.query_end
             mask = sparse.prefill_masks[i] if sparse is not None else None
-            out[s:e] = self._prefill(q_nope[s:e], q_pe[s:e], entry[s:e], span, mask)
+            if win is None:
+                out[s:e] = self._prefill(q_nope[s:e], q_pe[s:e], entry[s:e], span, mask)
+                continue
+            a, b = win.clip(s, e)
+            if b > a:
+                out[a - lo:b - lo] = self._prefill_rows(q_nope[a - lo:b - lo], q_pe[a - lo:b - lo],
+                                                        entry[s:b], span, a - s, mask)
         mark(Step.OPS_ATTENTION)
-        return out.view(T, -1)
+        return out.view(R, -1)
+
+    def _prefill_rows(self, q_nope, q_pe, entry, span: PrefillSpan, first: int, sparse_mask) -> torch.Tensor:
+        """Rows [first, first + n) of prefill chunk ``span``, every head, in the absorbed form
+        against the latent of the tokens they may see (DSA context parallelism)."""
+        n, H = q_nope.shape[:2]
+        total = span.num_computed + first + n  # the context of the last row
+        ctx = gather_blocks(self.kv_cache, span.block_ids)[0, :total] if self.kv_cache.numel() else entry
+        mark_context_gathered(cp_context_tokens=total)
+        w_uk, w_uv_t = self.absorbed_weights()
+        q = torch.cat((torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1), q_pe), dim=-1)  # [n, H, latent + rope]
+        if sparse_mask is not None:
+            allowed = sparse_mask[:, :total]  # already causal
+        else:
+            allowed = torch.arange(total)[None, :] <= torch.arange(total - n, total)[:, None]
+        o_lat = q.new_empty(n, H, self.kv_lora_rank)
+        step = max(1, (1 << 24) // (H * total))  # bounds the [rows, H, context] scores
+        for r in range(0, n, step):
+            sc = torch.matmul(q[r:r + step], ctx.transpose(0, 1)).float() * self.scale  # [rows, H, total]
+            sc.masked_fill_(~allowed[r:r + step, None, :], float("-inf"))
+            o_lat[r:r + step] = torch.matmul(torch.softmax(sc, dim=-1).to(q.dtype), ctx[:, :self.kv_lora_rank])
+        return torch.bmm(o_lat.transpose(0, 1), w_uv_t).transpose(0, 1)  # [n, H, v]
 
     def _prefill(self, q_nope, q_pe, entry, span: PrefillSpan, sparse_mask) -> torch.Tensor:
         # Not the paged prefill kernel: it would need the absorbed form (one latent KV head of
@@ -112,21 +150,25 @@ class MLAAttention(CacheLayer):
                                            scale=self.scale)
         return o[0].transpose(0, 1)
 
-    def _decode(self, q_nope, q_pe, md, sparse: SparseSelection | None) -> torch.Tensor:
+    def _decode(self, q_nope, q_pe, tables, context_lens, topk) -> torch.Tensor:
+        """Decode rows in the absorbed form; ``topk``: the indexer's (positions, valid) per row."""
         w_uk, w_uv_t = self.absorbed_weights()
+        if q_nope.shape[1] < self.num_heads:  # this rank's heads of a whole kv_b_proj
+            h = slice(self.head_offset, self.head_offset + q_nope.shape[1])
+            w_uk, w_uv_t = w_uk[h], w_uv_t[h]
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [B, H, latent]
         q = torch.cat((q_lat, q_pe), dim=-1).contiguous()
         kc = self.kv_cache
-        if sparse is not None and sparse.decode_topk is not None:
+        if topk is not None:
             bs = kc.shape[2]
-            pos = sparse.decode_topk
-            blocks = md.decode_block_tables.gather(1, pos // bs)
+            pos, valid = topk
+            blocks = tables.gather(1, pos // bs)
             sel = kc[blocks, 0, pos % bs]  # [B, k, latent + rope]: only the chosen tokens
             s = torch.bmm(q, sel.transpose(1, 2)).float() * self.scale  # [B, H, k]
-            s.masked_fill_(~sparse.decode_valid[:, None, :], float("-inf"))
+            s.masked_fill_(~valid[:, None, :], float("-inf"))
             o_lat = torch.bmm(torch.softmax(s, dim=-1).to(q.dtype), sel[..., :self.kv_lora_rank])
         else:  # MQA over the cache as it is: K = the whole entry, V = its latent part
-            args = (q, kc, kc, md.decode_block_tables, md.decode_context_lens, self.scale)
+            args = (q, kc, kc, tables, context_lens, self.scale)
             o = cpu_kernels.decode_attention(*args) if cpu_kernels.usable(q) else decode_attention_torch(*args)
             o_lat = o[..., :self.kv_lora_rank]
         return torch.bmm(o_lat.transpose(0, 1), w_uv_t).transpose(0, 1)  # [B, H, v]

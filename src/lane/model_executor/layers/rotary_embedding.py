@@ -53,12 +53,15 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, rope: tuple, q: torch.Tensor, k: torch.Tensor):
         """q: [T, H, D], k: [T, KV, D] -> rotated (in place on the fused path)."""
+        return self.rotate(rope, q), self.rotate(rope, k)
+
+    def rotate(self, rope: tuple, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, H, D] rotated at ``rope``'s positions (in place on the fused path)."""
         positions, cos, sin = rope
         if cos is None:
-            cpu_kernels.rotary_(q, positions, self.cos, self.sin)
-            cpu_kernels.rotary_(k, positions, self.cos, self.sin)
-            return q, k
-        return self._apply(q, cos, sin), self._apply(k, cos, sin)
+            cpu_kernels.rotary_(x, positions, self.cos, self.sin)
+            return x
+        return self._apply(x, cos, sin)
 
     def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rd = self.rotary_dim
@@ -67,3 +70,8 @@ class RotaryEmbedding(nn.Module):
         x1, x2 = rot[..., :half], rot[..., half:]
         out = rot * cos + torch.cat((-x2, x1), dim=-1) * sin
         return out if rest is None else torch.cat((out, rest), dim=-1)
+
+
+def rope_rows(rope: tuple, lo: int, hi: int) -> tuple:
+    """``prepare``'s result for rows [lo, hi) of the forward."""
+    return tuple(None if t is None else t[lo:hi] for t in rope)

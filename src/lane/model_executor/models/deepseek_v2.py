@@ -26,8 +26,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lane import platform, tracing
-from lane.distributed.parallel_state import get_tp_group, replica_local_experts, sequence_parallel_begin
+from lane.distributed.parallel_state import (dsa_context_parallel, dsa_head_group, get_tp_group,
+                                             replica_local_experts, sequence_parallel_begin)
 from lane.tracing import Step
+from lane.model_executor.layers.context_parallel import heads_to_rows, row_window, rows_to_heads
 from lane.model_executor.layers.fused_moe import (FusedMoE, combine_routed, fused_expert_name, grouped_topk,
                                                   share_rows)
 from lane.model_executor.layers.indexer import Indexer
@@ -79,14 +81,18 @@ class DeepseekV2MLAAttention(nn.Module):
             self.q_proj = ColumnParallelLinear(hidden, q_parts, bias=False)
             self.kv_a_proj_with_mqa = Linear(hidden, self.kv_lora_rank + self.rope_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, 1e-6)
-        # MLA absorbs its weight into the decode path (absorbed_weights): it stays as loaded
+        # MLA absorbs its weight into the decode path (absorbed_weights): it stays as loaded. Under
+        # DSA context parallelism a rank attends its rows with every head: kv_b_proj is whole
+        self.context_parallel = use_indexer and dsa_context_parallel()
+        kv_b_group = dsa_head_group() if use_indexer else tp
         self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, H_all * (self.nope + self.v_head_dim), bias=False,
-                                              quantizable=False)
+                                              quantizable=False, tp=kv_b_group)
         self.o_proj = RowParallelLinear(H_all * self.v_head_dim, hidden, bias=bias)
         self.rotary = rotary
         attn_cls = platform.select_attention_backend(config).backend.get_impl_cls()  # mla / sparse_mla
-        self.attn = attn_cls(H, self.kv_lora_rank, self.nope, self.rope_dim, self.v_head_dim,
-                                 mla_softmax_scale(config), self.kv_b_proj)
+        self.attn = attn_cls(H_all // kv_b_group.world_size, self.kv_lora_rank, self.nope, self.rope_dim,
+                             self.v_head_dim, mla_softmax_scale(config), self.kv_b_proj,
+                             head_offset=H * tp.rank_in_group if self.context_parallel else 0)
         self.indexer = (Indexer(hidden, self.q_lora_rank, config.index_n_heads, config.index_head_dim,
                                 config.index_topk, rotary) if use_indexer else None)
 
@@ -106,8 +112,16 @@ class DeepseekV2MLAAttention(nn.Module):
         q_pe, k_pe = self.rotary(rope, q_pe, k_pe)
         mark = tracing.forward_mark()
         mark(Step.MODEL_QKV_PROJ)
-        sparse = self.indexer(rope, x, q_resid) if self.indexer is not None else None  # mark 25
-        out = self.attn(q_nope, q_pe, latent, k_pe.view(T, self.rope_dim), sparse)  # marks 24, 27
+        k_pe = k_pe.view(T, self.rope_dim)
+        win = row_window(T, bool(self.attn.attn_metadata("kv_cache").prefills)) if self.context_parallel else None
+        if win is None:
+            sparse = self.indexer(rope, x, q_resid) if self.indexer is not None else None  # mark 25
+            out = self.attn(q_nope, q_pe, latent, k_pe, sparse)  # marks 24, 27
+        else:  # DSA context parallelism: this rank's rows with every head (marks 26)
+            q = heads_to_rows(torch.cat((q_nope, q_pe), dim=-1), win)
+            sparse = self.indexer(rope, x, q_resid, win)
+            out = self.attn(q[..., :self.nope], q[..., self.nope:], latent, k_pe, sparse, win)
+            out = rows_to_heads(out.view(q.shape[0], -1, self.v_head_dim), win).reshape(T, -1)
         out = self.o_proj(out)
         mark(Step.COMM_ATTN_REDUCE)
         return out

@@ -24,9 +24,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lane import platform, tracing
-from lane.distributed.parallel_state import (get_tp_group, indexer_group, replica_local_experts,
-                                            sequence_parallel_begin)
-from lane.model_executor.layers.indexer import select_topk
+from lane.distributed.parallel_state import (dsa_context_parallel, dsa_head_group, get_tp_group,
+                                            replica_local_experts, sequence_parallel_begin)
+from lane.model_executor.layers.context_parallel import (heads_to_rows, mark_context_gathered, row_window,
+                                                         rows_to_heads)
 from lane.tracing import Step
 from lane.model_executor.layers.compressed_attention import (V4AttentionCache, V4RMSNorm, attend_with_sinks,
                                                              rope_tail, unweighted_rms_norm)
@@ -93,8 +94,8 @@ class CSAIndexer(nn.Module):
     def __init__(self, config, rate: int) -> None:
         super().__init__()
         # split by heads: the ranks' scores are summed before the top-k (every head on every rank
-        # under DSA context parallelism, which splits a prefill chunk's rows instead)
-        self.tp = indexer_group()
+        # under DSA context parallelism, which splits a prefill step's rows instead)
+        self.tp = dsa_head_group()
         self.n_heads = config.index_n_heads // self.tp.world_size
         self.head_scale = config.index_n_heads ** -0.5
         self.head_dim, self.topk = config.index_head_dim, config.index_topk
@@ -127,8 +128,12 @@ class DeepseekV4Attention(nn.Module):
         self.wo_a = ColumnParallelLinear(H_all * d // G_all, G_all * config.o_lora_rank, bias=False,
                                          quantizable=False)
         self.wo_b = RowParallelLinear(G_all * config.o_lora_rank, config.hidden_size, bias=False)
-        self.attn_sink = nn.Parameter(torch.zeros(H, dtype=torch.float32))
         rate = config.compress_rates[self.layer_type] if self.layer_type != SWA else 0
+        # DSA context parallelism (CSA layers): a prefill step's rows split over the ranks, each
+        # attending its rows with every head, so every head's sink is on every rank
+        self.context_parallel = self.layer_type == CSA and dsa_context_parallel()
+        self.head_offset = H * get_tp_group().rank_in_group
+        self.attn_sink = nn.Parameter(torch.zeros(H_all if self.context_parallel else H, dtype=torch.float32))
         self.compressor = (Compressor(config.hidden_size, d, rate, self.layer_type == CSA, self.eps)
                            if rate else None)
         self.indexer = CSAIndexer(config, rate) if self.layer_type == CSA else None
@@ -149,13 +154,21 @@ class DeepseekV4Attention(nn.Module):
         mark(Step.MODEL_QKV_PROJ, **lt)
         cache.write_window(kv, md)
         mark(Step.OPS_KV_WRITE, **lt)
-        out = torch.empty_like(q)
         nd = md.window.num_decodes
+        win = row_window(T, bool(md.window.prefills)) if self.context_parallel else None
+        qa, lo = (q, 0) if win is None else (heads_to_rows(q, win), win.lo)  # the rows this rank attends
+        out = torch.empty_like(qa)
         if nd:  # decodes: one batched pass
-            out[:nd] = self._decode(x[:nd], q[:nd], q_res[:nd], positions[:nd], md, mark, lt)
+            a, b = (0, nd) if win is None else win.clip(0, nd)
+            out[a - lo:b - lo] = self._decode(x[:nd], qa[a - lo:b - lo], q_res[:nd], positions[:nd], md, mark, lt,
+                                              a, b)
         for i, span in enumerate(md.window.prefills):  # prefill chunks: one request at a time
-            rows = slice(span.query_start, span.query_end)
-            out[rows] = self._prefill(x[rows], q[rows], q_res[rows], positions[rows], md, i, mark, lt)
+            s, e = span.query_start, span.query_end
+            a, b = (s, e) if win is None else win.clip(s, e)
+            out[a - lo:b - lo] = self._prefill(x[s:e], qa[a - lo:b - lo], q_res[s:e], positions[s:e], md, i,
+                                               mark, lt, a - s, b - s)
+        if win is not None:
+            out = rows_to_heads(out, win)
         out = rope_tail(out, cos[:, None], -sin[:, None])  # V carried rope: undo it at the query position
         g = self.o_groups
         w = self.wo_a.weight.view(g, -1, H * d // g)
@@ -164,9 +177,17 @@ class DeepseekV4Attention(nn.Module):
         mark(Step.COMM_ATTN_REDUCE, **lt)
         return out
 
-    def _prefill(self, x, q, q_res, pos, md, i, mark, lt) -> torch.Tensor:
+    def _sinks(self, heads: int) -> torch.Tensor:
+        """The sinks of a query's heads: every head's, or this rank's of every head's (a decode
+        split by heads under DSA context parallelism)."""
+        if heads == self.attn_sink.shape[0]:
+            return self.attn_sink
+        return self.attn_sink[self.head_offset:self.head_offset + heads]
+
+    def _prefill(self, x, q, q_res, pos, md, i, mark, lt, a: int, b: int) -> torch.Tensor:
         """Prefill chunk i (one request): fold it into the running state (emitting the
-        entries of the windows it completes), then attention over [window ; entries]."""
+        entries of the windows it completes), then attention over [window ; entries] for its
+        rows [a, b) (all of them, or this rank's under DSA context parallelism); q: those rows'."""
         cache, n = self.cache, x.shape[0]
         p0 = md.window.prefills[i].num_computed
         n_entries = 0
@@ -175,40 +196,49 @@ class DeepseekV4Attention(nn.Module):
             if self.indexer is not None:
                 self._compress(self.indexer.compressor, "index_state", x, pos, md, i)
             mark(Step.MODEL_QKV_PROJ, **lt)
+        if a == b:
+            return q
         first = max(0, p0 - self.window + 1)
         keys = cache.window_keys(md.window.prefills[i].block_ids, first, p0 + n - 1)
-        kpos = torch.arange(first, p0 + n)
-        allowed = (kpos[None, :] <= pos[:, None]) & (kpos[None, :] > pos[:, None] - self.window)
+        kpos, rows = torch.arange(first, p0 + n), pos[a:b]
+        allowed = (kpos[None, :] <= rows[:, None]) & (kpos[None, :] > rows[:, None] - self.window)
         if n_entries:
             table = md.entries.prefills[i].block_ids
-            visible = torch.arange(n_entries)[None, :] < ((pos + 1) // self.compressor.rate)[:, None]
+            visible = torch.arange(n_entries)[None, :] < ((rows + 1) // self.compressor.rate)[:, None]
             if self.indexer is not None:  # step 25: top-k entries per query
                 keys_i = cache.entries("index_state", table, torch.arange(n_entries))
-                visible &= self._select(x, q_res, pos, keys_i, visible)
+                visible &= self._select(x[a:b], q_res[a:b], rows, keys_i, visible)
                 mark(Step.MODEL_INDEXER_TOPK, **lt)
             keys = torch.cat((keys, cache.entries("state", table, torch.arange(n_entries))))
             allowed = torch.cat((allowed, visible), dim=1)
-        out = attend_with_sinks(q, keys.to(q.dtype), allowed, self.attn_sink, self.head_dim ** -0.5)
+        if q.shape[1] > self.num_heads:
+            mark_context_gathered(**lt)
+        out = attend_with_sinks(q, keys.to(q.dtype), allowed, self._sinks(q.shape[1]), self.head_dim ** -0.5)
         mark(Step.OPS_ATTENTION, **lt)
         return out
 
-    def _decode(self, x, q, q_res, pos, md, mark, lt) -> torch.Tensor:
+    def _decode(self, x, q, q_res, pos, md, mark, lt, a: int, b: int) -> torch.Tensor:
         """All decode rows at once: one token each folds into its request's running state
-        (closing a window emits an entry), then attention over [window ; entries]."""
-        cache, B = self.cache, x.shape[0]
+        (closing a window emits an entry), then attention over [window ; entries] for rows
+        [a, b) (all, or this rank's under DSA context parallelism); q: those rows'."""
+        cache = self.cache
+        B = x.shape[0]
         n_entries = torch.zeros(B, dtype=torch.long)
         if self.compressor is not None:
             n_entries = self._decode_compress(self.compressor, "state", x, pos, md)
             if self.indexer is not None:
                 self._decode_compress(self.indexer.compressor, "index_state", x, pos, md)
             mark(Step.MODEL_QKV_PROJ, **lt)
+        if a == b:
+            return q
+        x, q_res, pos, n_entries = x[a:b], q_res[a:b], pos[a:b], n_entries[a:b]
         kpos = pos[:, None] - torch.arange(self.window - 1, -1, -1)[None, :]  # [B, W]: p - W + 1 .. p
         allowed = kpos >= 0
-        keys = cache.decode_window_keys(md.window.decode_block_tables, kpos.clamp(min=0))
+        keys = cache.decode_window_keys(md.window.decode_block_tables[a:b], kpos.clamp(min=0))
         E = int(n_entries.max()) if self.compressor is not None else 0
         if E:
-            tables = md.entries.decode_block_tables
-            windows = torch.arange(E).expand(B, E)
+            tables = md.entries.decode_block_tables[a:b]
+            windows = torch.arange(E).expand(b - a, E)
             visible = windows < n_entries[:, None]
             if self.indexer is not None:
                 keys_i = cache.entries("index_state", tables, windows)
@@ -216,7 +246,7 @@ class DeepseekV4Attention(nn.Module):
                 mark(Step.MODEL_INDEXER_TOPK, **lt)
             keys = torch.cat((keys, cache.entries("state", tables, windows)), dim=1)
             allowed = torch.cat((allowed, visible), dim=1)
-        out = attend_with_sinks(q, keys.to(q.dtype), allowed, self.attn_sink, self.head_dim ** -0.5)
+        out = attend_with_sinks(q, keys.to(q.dtype), allowed, self._sinks(q.shape[1]), self.head_dim ** -0.5)
         mark(Step.OPS_ATTENTION, **lt)
         return out
 
@@ -250,22 +280,14 @@ class DeepseekV4Attention(nn.Module):
     def _select(self, x, q_res, pos, keys, visible) -> torch.Tensor:
         """The indexer's top-k visible entries for each query row -> [rows, E] bool. keys:
         the indexer's entries, [E, d_I] (one request's chunk) or [rows, E, d_I] (decodes)."""
-        idx = self.indexer
-
-        def top_of(a: int, b: int) -> torch.Tensor:  # rows [a, b)
-            n = b - a
-            cos, sin = self._rope[0].cos_sin("compress", pos[a:b])
-            q = rope_tail(idx.wq_b(q_res[a:b]).view(n, idx.n_heads, idx.head_dim), cos[:, None], sin[:, None])
-            weights = idx.weights_proj(x[a:b].float()) * idx.head_scale  # [rows, H_I]
-            k = keys if keys.dim() == 2 else keys[a:b]
-            # relu, then the scale, then the weighted sum over heads: the reference's order
-            scores = torch.relu(torch.matmul(q.float(), k.float().transpose(-1, -2))) * idx.head_dim ** -0.5
-            scores = idx.tp.all_reduce((scores * weights[..., None]).sum(dim=1).contiguous(), Step.MODEL_INDEXER_TOPK)
-            scores = scores.masked_fill(~visible[a:b], float("-inf"))
-            return scores.topk(min(idx.topk, visible.shape[1]), dim=-1).indices
-
-        # a prefill chunk's rows may be split over the ranks (DSA context parallelism); decodes are not
-        top = select_topk(x.shape[0], top_of) if keys.dim() == 2 else top_of(0, x.shape[0])
+        idx, n = self.indexer, x.shape[0]
+        cos, sin = self._rope[0].cos_sin("compress", pos)
+        q = rope_tail(idx.wq_b(q_res).view(n, idx.n_heads, idx.head_dim), cos[:, None], sin[:, None])
+        weights = idx.weights_proj(x.float()) * idx.head_scale  # [rows, H_I]
+        # relu, then the scale, then the weighted sum over heads: the reference's order
+        scores = torch.relu(torch.matmul(q.float(), keys.float().transpose(-1, -2))) * idx.head_dim ** -0.5
+        scores = idx.tp.all_reduce((scores * weights[..., None]).sum(dim=1).contiguous(), Step.MODEL_INDEXER_TOPK)
+        top = scores.masked_fill(~visible, float("-inf")).topk(min(idx.topk, visible.shape[1]), dim=-1).indices
         return torch.zeros_like(visible).scatter_(1, top, True)
 
 

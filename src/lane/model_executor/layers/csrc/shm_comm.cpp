@@ -135,16 +135,24 @@ int barrier(char* base, int world, int rank, int64_t seq, double timeout_s, int3
   return 0;
 }
 
+// Rank q's published elements; this rank's own are read from its input, still in its cache
+// (the same values as its slot, which was streamed past the cache).
+template <typename T>
+inline const T* source(char* base, int world, int64_t slot_bytes, int64_t seq, int q, int rank, const void* own) {
+  return reinterpret_cast<const T*>(q == rank ? own : slot(base, world, slot_bytes, seq, q));
+}
+
 template <typename T, typename Acc>
-void sum_slots(char* base, int world, int64_t slot_bytes, int64_t seq, int64_t lo, int64_t hi, T* out) {
-  const T* first = reinterpret_cast<const T*>(slot(base, world, slot_bytes, seq, 0));
+void sum_slots(char* base, int world, int64_t slot_bytes, int64_t seq, int rank, const void* own, int64_t lo,
+               int64_t hi, T* out) {
   constexpr int64_t kTile = 1024;  // accumulate a tile in registers/L1, one rounding at the end
   Acc acc[kTile];
   for (int64_t t0 = lo; t0 < hi; t0 += kTile) {
     const int64_t n = (hi - t0 < kTile) ? hi - t0 : kTile;
-    for (int64_t i = 0; i < n; ++i) acc[i] = static_cast<Acc>(lane::to_f(first[t0 + i]));
+    const T* first = source<T>(base, world, slot_bytes, seq, 0, rank, own) + t0;
+    for (int64_t i = 0; i < n; ++i) acc[i] = static_cast<Acc>(lane::to_f(first[i]));
     for (int q = 1; q < world; ++q) {
-      const T* s = reinterpret_cast<const T*>(slot(base, world, slot_bytes, seq, q)) + t0;
+      const T* s = source<T>(base, world, slot_bytes, seq, q, rank, own) + t0;
       for (int64_t i = 0; i < n; ++i) acc[i] += static_cast<Acc>(lane::to_f(s[i]));
     }
     for (int64_t i = 0; i < n; ++i) out[t0 - lo + i] = lane::from_f<T>(acc[i]);
@@ -152,26 +160,31 @@ void sum_slots(char* base, int world, int64_t slot_bytes, int64_t seq, int64_t l
 }
 
 template <typename T>
-void sum_ints(char* base, int world, int64_t slot_bytes, int64_t seq, int64_t lo, int64_t hi, T* out) {
+void sum_ints(char* base, int world, int64_t slot_bytes, int64_t seq, int rank, const void* own, int64_t lo,
+              int64_t hi, T* out) {
   for (int64_t i = lo; i < hi; ++i) {
     T acc = 0;
-    for (int q = 0; q < world; ++q) acc += reinterpret_cast<const T*>(slot(base, world, slot_bytes, seq, q))[i];
+    for (int q = 0; q < world; ++q) acc += source<T>(base, world, slot_bytes, seq, q, rank, own)[i];
     out[i - lo] = acc;
   }
 }
 
-void sum_range(char* base, int world, int64_t slot_bytes, int64_t seq, int64_t lo, int64_t hi, void* out,
-               int dtype) {
+// Elements [lo, hi) summed over ranks, in rank order, into out (which may be own: a tile is
+// read whole before it is written).
+void sum_range(char* base, int world, int64_t slot_bytes, int64_t seq, int rank, const void* own, int64_t lo,
+               int64_t hi, void* out, int dtype) {
   switch (dtype) {
-    case kSF32: sum_slots<float, float>(base, world, slot_bytes, seq, lo, hi, static_cast<float*>(out)); break;
+    case kSF32:
+      sum_slots<float, float>(base, world, slot_bytes, seq, rank, own, lo, hi, static_cast<float*>(out));
+      break;
     case kSBF16:
-      sum_slots<lane::bf16, float>(base, world, slot_bytes, seq, lo, hi, static_cast<lane::bf16*>(out));
+      sum_slots<lane::bf16, float>(base, world, slot_bytes, seq, rank, own, lo, hi, static_cast<lane::bf16*>(out));
       break;
     case kSF16:
-      sum_slots<lane::f16, float>(base, world, slot_bytes, seq, lo, hi, static_cast<lane::f16*>(out));
+      sum_slots<lane::f16, float>(base, world, slot_bytes, seq, rank, own, lo, hi, static_cast<lane::f16*>(out));
       break;
-    case kSI32: sum_ints<int32_t>(base, world, slot_bytes, seq, lo, hi, static_cast<int32_t*>(out)); break;
-    case kSI64: sum_ints<int64_t>(base, world, slot_bytes, seq, lo, hi, static_cast<int64_t*>(out)); break;
+    case kSI32: sum_ints<int32_t>(base, world, slot_bytes, seq, rank, own, lo, hi, static_cast<int32_t*>(out)); break;
+    case kSI64: sum_ints<int64_t>(base, world, slot_bytes, seq, rank, own, lo, hi, static_cast<int64_t*>(out)); break;
   }
 }
 
@@ -201,7 +214,7 @@ void lane_shm_all_reduce(void* base_, int world, int rank, int64_t slot_bytes, i
   char* base = static_cast<char*>(base_);
   publish_copy(slot(base, world, slot_bytes, seq, rank), in, n * elem_size);
   if (barrier(base, world, rank, seq, timeout_s, status)) return;
-  sum_range(base, world, slot_bytes, seq, 0, n, out, dtype);
+  sum_range(base, world, slot_bytes, seq, rank, in, 0, n, out, dtype);
 }
 
 // in holds n elements; out[0:hi-lo] = the sum over ranks of elements [lo, hi) (this rank's part).
@@ -211,7 +224,7 @@ void lane_shm_reduce_scatter(void* base_, int world, int rank, int64_t slot_byte
   char* base = static_cast<char*>(base_);
   publish_copy(slot(base, world, slot_bytes, seq, rank), in, n * elem_size);
   if (barrier(base, world, rank, seq, timeout_s, status)) return;
-  if (hi > lo) sum_range(base, world, slot_bytes, seq, lo, hi, out, dtype);
+  if (hi > lo) sum_range(base, world, slot_bytes, seq, rank, in, lo, hi, out, dtype);
 }
 
 // Rank q's nbytes land at out + q * out_stride (nbytes <= slot_bytes).
@@ -221,7 +234,8 @@ void lane_shm_all_gather(void* base_, int world, int rank, int64_t slot_bytes, i
   publish_copy(slot(base, world, slot_bytes, seq, rank), in, nbytes);
   if (barrier(base, world, rank, seq, timeout_s, status)) return;
   for (int q = 0; q < world; ++q)
-    std::memcpy(static_cast<char*>(out) + q * out_stride, slot(base, world, slot_bytes, seq, q), nbytes);
+    std::memcpy(static_cast<char*>(out) + q * out_stride, q == rank ? in : slot(base, world, slot_bytes, seq, q),
+                nbytes);
 }
 
 // Each rank posts its whole send buffer (in_bytes <= slot_bytes); this rank's piece from rank q
@@ -234,7 +248,8 @@ void lane_shm_all_to_all(void* base_, int world, int rank, int64_t slot_bytes, i
   if (barrier(base, world, rank, seq, timeout_s, status)) return;
   char* dst = static_cast<char*>(out);
   for (int q = 0; q < world; ++q) {
-    std::memcpy(dst, slot(base, world, slot_bytes, seq, q) + src_off[q], src_len[q]);
+    const char* src = q == rank ? static_cast<const char*>(in) : slot(base, world, slot_bytes, seq, q);
+    std::memcpy(dst, src + src_off[q], src_len[q]);
     dst += src_len[q];
   }
 }
