@@ -35,7 +35,7 @@ def _tokens(llm: LLM) -> list[list[int]]:
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny-parallel")
     return {arch: write_tiny_model(arch, str(root / arch)) for arch in
-            ("llama", "qwen3", "deepseek_v3", "deepseek_v32", "deepseek_v4")}
+            ("llama", "qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v32", "deepseek_v4")}
 
 
 def _engine_kw(arch: str) -> dict:
@@ -46,6 +46,7 @@ def _engine_kw(arch: str) -> dict:
 
 @pytest.mark.parametrize("arch,ep,sp,cp", [("llama", False, False, False), ("llama", False, True, False),
                                            ("qwen3", False, False, False), ("qwen3", False, True, False),
+                                           ("qwen3_moe", False, False, False), ("qwen3_moe", True, True, False),
                                            ("deepseek_v3", False, False, False), ("deepseek_v3", True, True, False),
                                            ("deepseek_v32", False, True, True), ("deepseek_v4", False, False, False),
                                            ("deepseek_v4", True, True, True)])
@@ -60,7 +61,8 @@ def test_two_ranks_equal_one(tiny, arch, ep, sp, cp):
     want = _tokens(ref)
     ref_bytes = resident_weight_bytes(ref.engine.worker.model)
     ref_preempted = ref.engine.scheduler.num_preemptions
-    ref_heat = ref.engine.executor.expert_counts() if arch.startswith("deepseek") else None
+    moe = arch.startswith("deepseek") or arch.endswith("_moe")
+    ref_heat = ref.engine.executor.expert_counts() if moe else None
     ref.shutdown()
     if cp:  # the trace shows step 26: each rank's rows, its stages
         tracer.enable()
@@ -87,7 +89,7 @@ def test_two_ranks_equal_one(tiny, arch, ep, sp, cp):
             assert ref_preempted > 0 and sched.num_preemptions > 0
         per_rank = llm.engine.executor.weight_bytes()
         assert len(per_rank) == 2 and max(per_rank) <= 0.6 * ref_bytes, (per_rank, ref_bytes)
-        if arch.startswith("deepseek"):  # heat: each EP rank counts its own experts, summed over ranks
+        if moe:  # heat: each EP rank counts its own experts, summed over ranks
             heat = llm.engine.executor.expert_counts()
             assert heat == ref_heat
     finally:

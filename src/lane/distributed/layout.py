@@ -7,8 +7,12 @@ def _is_v4(cfg) -> bool:
     return "DeepseekV4ForCausalLM" in (getattr(cfg, "architectures", None) or [])
 
 
-def _experts(cfg) -> int:
-    return int(getattr(cfg, "n_routed_experts", None) or 0)
+def num_routed_experts(cfg) -> int:
+    """Routed experts per MoE layer (DeepSeek's n_routed_experts, Qwen-MoE's num_experts); 0: dense."""
+    return int(getattr(cfg, "n_routed_experts", None) or getattr(cfg, "num_experts", None) or 0)
+
+
+_experts = num_routed_experts
 
 
 def check_eplb(cfg, ep: int, redundant: int) -> None:
@@ -44,7 +48,8 @@ def check_layout(cfg, tp: int, expert_parallel: bool, redundant: int = 0, ep: in
         elif tp % kv:  # fewer KV heads than ranks: each is replicated on tp / kv ranks
             raise ValueError(f"tensor_parallel_size {tp} is not a multiple of the {kv} KV heads "
                              f"(fewer KV heads than ranks are replicated, tp / kv ranks each)")
-    if getattr(cfg, "intermediate_size", None) and (not _experts(cfg) or getattr(cfg, "first_k_dense_replace", 0)):
+    dense_layers = getattr(cfg, "first_k_dense_replace", 0) or getattr(cfg, "mlp_only_layers", None)
+    if getattr(cfg, "intermediate_size", None) and (not _experts(cfg) or dense_layers):
         checks.append(("intermediate_size", cfg.intermediate_size))
     if _experts(cfg):
         if not expert_parallel:

@@ -97,7 +97,7 @@ def _parallel_layout(mc, tp: int, expert_parallel: bool, block_size: int, budget
     rank-0 model built on the meta device with a group of ``tp`` ranks: its shapes are a rank's)."""
     from lane.core.kv_cache_utils import get_kv_cache_config
     from lane.distributed import parallel_state as ps
-    from lane.distributed.layout import describe_layout
+    from lane.distributed.layout import describe_layout, num_routed_experts
     from lane.kv_cache_interface import FULL, group_kv_cache_specs
     from lane.model_executor.layers.attention import kv_cache_specs
 
@@ -126,7 +126,7 @@ def _parallel_layout(mc, tp: int, expert_parallel: bool, block_size: int, budget
                                                       None if eplb is None else eplb.num_redundant_experts,
                                                       dp if wide else 1)]
     if eplb is not None:
-        E = int(mc.hf_config.n_routed_experts)
+        E = num_routed_experts(mc.hf_config)
         lines.append(f"  EPLB: {E} logical experts in {E + eplb.num_redundant_experts} physical slots per MoE layer "
                      f"({eplb.num_redundant_experts} redundant); heat over the last {eplb.window_size} steps, "
                      f"a rearrangement every {eplb.step_interval} steps"

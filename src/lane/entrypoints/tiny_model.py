@@ -33,6 +33,11 @@ TINY = {  # name -> (transformers config class, model class, config fields)
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM",
               dict(intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                    head_dim=16)),
+    # layer 0 dense (mlp_only_layers), 1 and 2 sparse: 8 experts, top 2, renormalised
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                       norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[0])),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", DEEPSEEK),
     # 16 indexer heads: index scores are sums of relus, and with few heads many tokens
     # score exactly 0, whose top-k order is then arbitrary. Near ties (a k-th and

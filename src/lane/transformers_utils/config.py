@@ -12,6 +12,7 @@ GGUF_ARCH_TO_HF = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
 
 
@@ -44,7 +45,14 @@ def gguf_to_hf_config(reader: GGUFFile):
         eos_token_id=gguf_field(reader, "tokenizer.ggml.eos_token_id"),
         pad_token_id=gguf_field(reader, "tokenizer.ggml.padding_token_id"),
     )
-    model_type = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}[arch]
+    if arch == "qwen3moe":  # every layer sparse, top-k renormalised (llama.cpp's qwen3moe)
+        kw.update(num_experts=gguf_field(reader, p + "expert_count"),
+                  num_experts_per_tok=gguf_field(reader, p + "expert_used_count"),
+                  moe_intermediate_size=gguf_field(reader, p + "expert_feed_forward_length"),
+                  norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+        kw["intermediate_size"] = kw["intermediate_size"] or kw["moe_intermediate_size"]
+    model_type = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3",
+                  "qwen3moe": "qwen3_moe"}[arch]
     cfg = AutoConfig.for_model(model_type, **kw)
     cfg.rope_parameters = {"rope_type": "default", "rope_theta": float(kw["rope_theta"])}
     return cfg

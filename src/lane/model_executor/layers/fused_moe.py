@@ -25,6 +25,8 @@ and each forward adds the tokens every slot served into the EPLB state's step bu
 """
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -35,7 +37,7 @@ from lane.distributed.parallel_state import (get_ep_group, get_expert_placement,
 from lane.eplb.placement import ExpertMap
 from lane.model_executor.layers.activation import silu_and_mul
 from lane.model_executor.layers import cpu_kernels
-from lane.model_executor.layers.linear import int8_linear, linear
+from lane.model_executor.layers.linear import ggml_linear, int8_linear, linear
 from lane.tracing import Step
 
 
@@ -75,6 +77,23 @@ def grouped_topk(router_logits: torch.Tensor, top_k: int, *, scoring_func: str =
     return weights * routed_scaling_factor, ids
 
 
+_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+def load_expert_weight(model: nn.Module, name: str, tensor) -> str | None:
+    """A routed expert's checkpoint tensor, one expert's (``mlp.experts.{e}.{gate,up,down}_proj``)
+    or transformers' stacked ones, into its FusedMoE: the parameter's name; None where ``name``
+    is no expert's."""
+    if m := _EXPERT.match(name):
+        return f"{m.group(1)}.{model.get_submodule(m.group(1)).load_expert(m.group(3), int(m.group(2)), tensor)}"
+    name = fused_expert_name(name)
+    if name.endswith((".experts.w13", ".experts.w2")):
+        module, _, attr = name.rpartition(".")
+        model.get_submodule(module).load_stacked(attr, tensor)  # lazy: its slices only
+        return name
+    return None
+
+
 def fused_expert_name(name: str) -> str:
     """transformers' stacked expert tensors (``experts.gate_up_proj`` [E, 2I, H],
     ``experts.down_proj`` [E, H, I]) are FusedMoE's ``w13`` / ``w2`` as they are."""
@@ -89,6 +108,9 @@ class FusedMoE(nn.Module):
     ``w2`` [E, H, I]; with --quantization int8 / w8a8, int8 per expert and output channel."""
 
     qkind: str | None = None  # "int8" / "w8a8" once quantize_int8 ran
+    # a GGUF's experts kept in their blocks (load_stack), by stack: "w13" / "w2" -> kind, with
+    # qw13 uint8 [slots, 2I, row bytes] / qw2 [slots, H, row bytes] in place of the dense stack
+    ggml_kinds: dict[str, str] = {}
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  swiglu_limit: float | None = None) -> None:
@@ -165,6 +187,47 @@ class FusedMoE(nn.Module):
         with torch.no_grad():
             getattr(self, attr).copy_(torch.cat(parts) if len(parts) > 1 else parts[0])
 
+    def load_stack(self, proj: str, tensor) -> str:
+        """Every expert's ``proj`` ("gate", "up", "down") stacked, as a GGUF holds them
+        (``ffn_{gate,up,down}_exps``): dense [E, rows, cols], or GGUF blocks of [E * rows, cols],
+        kept as they are where this rank holds whole experts and gate and up share a kind."""
+        from lane.model_executor.loader.gguf_loader import GGMLBlocks
+
+        name = "w2" if proj == "down" else "w13"
+        if isinstance(tensor, GGMLBlocks):
+            keep = self.tp_size == 1 and cpu_kernels.build() and self.ggml_kinds.get(name, tensor.kind) == tensor.kind
+            if keep:
+                self._load_blocks(name, proj, tensor)
+                return name
+            if name in self.ggml_kinds:  # gate and up of different kinds: the stack runs dense
+                self._densify(name)
+            tensor = tensor.dequantize().view(self.num_experts, -1, tensor.shape[1])
+        for e in range(self.num_experts):  # load_expert skips the experts this rank does not hold
+            self.load_expert(proj, e, tensor[e])
+        return name
+
+    def _load_blocks(self, name: str, proj: str, tensor) -> None:
+        rows = tensor.shape[0] // self.num_experts
+        blocks = tensor.blocks.view(self.num_experts, rows, -1)
+        if name not in self.ggml_kinds:
+            self.ggml_kinds = {**self.ggml_kinds, name: tensor.kind}
+            n = 2 * self.intermediate_size if name == "w13" else rows
+            setattr(self, "q" + name, torch.empty(self.local_experts, n, blocks.shape[2], dtype=torch.uint8))
+            self.dense_dtype = getattr(self, name).dtype
+            setattr(self, name, None)  # its memory goes; the experts run from the blocks
+        q = getattr(self, "q" + name)
+        at = rows if proj == "up" else 0
+        for slot, e in enumerate(self.local_logical().tolist()):
+            q[slot, at:at + rows] = blocks[e]
+
+    def _densify(self, name: str) -> None:
+        """A stack whose parts came in different kinds: its blocks dequantized, run dense."""
+        q, kind = getattr(self, "q" + name), self.ggml_kinds[name]
+        dense = cpu_kernels.dequant_ggml(q.reshape(-1, q.shape[2]).numpy(), kind, self.dense_dtype)
+        setattr(self, name, nn.Parameter(dense.view(q.shape[0], q.shape[1], -1), requires_grad=False))
+        setattr(self, "q" + name, None)
+        self.ggml_kinds = {k: v for k, v in self.ggml_kinds.items() if k != name}
+
     def quantize_int8(self, activations: bool) -> None:
         """The loaded experts to int8 per (expert, output channel): qw13 / qw2 int8 with fp32
         scales (and, for w8a8, int32 weight sums); the dense stacks go."""
@@ -184,11 +247,13 @@ class FusedMoE(nn.Module):
     def slot_tensors(self) -> list[torch.Tensor]:
         """Every tensor that holds a slot's weights (first dimension: this rank's slots), with the
         scales and sums of quantized experts: what EPLB moves."""
-        if self.qkind is None:
-            return [self.w13.data, self.w2.data]
-        return [t for t in self.quantized_tensors() if t is not None]
+        dense = [w.data for w in (self.w13, self.w2) if w is not None]
+        return dense + [t for t in self.quantized_tensors() if t is not None]
 
     def _expert(self, name: str, e: int, x: torch.Tensor) -> torch.Tensor:
+        if name in self.ggml_kinds:
+            blocks = getattr(self, "q" + name)[e]
+            return ggml_linear(x, blocks, self.ggml_kinds[name], (blocks.shape[0], x.shape[1]))
         if self.qkind is None:
             return linear(x, getattr(self, name)[e])
         sums = getattr(self, name + "_sums")

@@ -182,15 +182,21 @@ class Linear(nn.Linear):
         x2 = x.reshape(-1, self.in_features)
         if self.qkind in ("int8", "w8a8"):  # these have torch paths too
             y = int8_linear(x2, self.qkind, self.qweight, self.weight_scale, self.weight_sums, self.bias)
-        elif not cpu_kernels.usable(x2):
-            raise RuntimeError("GGUF blocks need the CPU kernels (LANE_CPU_KERNELS=0 or a failed build); "
-                               "load with --quantization none")
-        elif x2.shape[0] <= quant_rows(x.dtype, self.qx8):
-            y = cpu_kernels.quant_linear(x2, self.qweight, self.qkind, self.out_features, self.bias, self.qx8)
         else:
-            y = linear(x2, dequantized(self.qweight, self.qkind, (self.out_features, self.in_features), x.dtype,
-                                       self.qx8), self.bias)
+            y = ggml_linear(x2, self.qweight, self.qkind, (self.out_features, self.in_features), self.bias, self.qx8)
         return y.view(*lead, self.out_features)
+
+
+def ggml_linear(x: torch.Tensor, blocks: torch.Tensor, kind: str, shape: tuple[int, int],
+                bias: torch.Tensor | None = None, x8: bool = False) -> torch.Tensor:
+    """x [M, K] by a weight [N, K] kept in GGUF blocks (a Linear's, or one expert's): the integer
+    kernel for few rows, else the weight dequantized into the scratch buffer and a GEMM."""
+    if not cpu_kernels.usable(x):
+        raise RuntimeError("GGUF blocks need the CPU kernels (LANE_CPU_KERNELS=0 or a failed build); "
+                           "load with --quantization none")
+    if x.shape[0] <= quant_rows(x.dtype, x8):
+        return cpu_kernels.quant_linear(x, blocks, kind, shape[0], bias, x8)
+    return linear(x, dequantized(blocks, kind, shape, x.dtype, x8), bias)
 
 
 def int8_linear(x: torch.Tensor, kind: str, qweight: torch.Tensor, scale: torch.Tensor,

@@ -36,6 +36,11 @@ _TENSOR_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # MoE (qwen3moe): the router, and each projection of every expert stacked [E, rows, cols]
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_stack",
+    "ffn_up_exps": "mlp.experts.up_stack",
+    "ffn_down_exps": "mlp.experts.down_stack",
 }
 
 
@@ -105,6 +110,7 @@ def hf_tensor_name(gguf_name: str) -> str | None:
 class GGMLBlocks:
     """A GGUF weight [N, K] kept in its blocks: ``blocks`` uint8 [N, K / block values * block
     bytes], one row of blocks per output row (rows can be permuted and concatenated as they are).
+    A stack of experts' weights [E, N, K] comes as [E * N, K], expert e's rows at e * N.
     ``dequantized`` counts the kinds of those a model dequantizes after all."""
 
     def __init__(self, kind: str, shape: tuple[int, int], blocks: torch.Tensor, dtype: torch.dtype,
@@ -139,7 +145,7 @@ def keeps_blocks(t) -> bool:
     import gguf
 
     kind = cpu_kernels.GGML_KINDS.get(gguf.GGMLQuantizationType(t.tensor_type).name)
-    return kind is not None and len(t.shape) == 2 and t.shape[1] % kind[1] == 0
+    return kind is not None and len(t.shape) in (2, 3) and t.shape[-1] % kind[1] == 0
 
 
 def iter_gguf_weights(reader, hf_config, dtype: torch.dtype = torch.float32, keep_quantized: bool = False,
@@ -172,10 +178,11 @@ def iter_gguf_weights(reader, hf_config, dtype: torch.dtype = torch.float32, kee
             data = np.asarray(t.data) if in_place and heads is None else np.array(t.data, copy=True)
             with warnings.catch_warnings():  # a read-only view of the mapped file: nothing writes to it
                 warnings.simplefilter("ignore", UserWarning)
-                blocks = torch.from_numpy(data).view(t.shape[0], -1)
+                rows = int(np.prod(t.shape[:-1]))  # a stack of experts' rows one after another
+                blocks = torch.from_numpy(data).view(rows, -1)
             if heads is not None:  # rows of blocks permute as rows of weights do
                 blocks = _unpermute(blocks, heads).contiguous()
-            yield name, GGMLBlocks(kind, t.shape, blocks, dtype, dequantized)
+            yield name, GGMLBlocks(kind, (rows, t.shape[-1]), blocks, dtype, dequantized)
             continue
         if dequantized is not None and t.tensor_type not in floats:
             dequantized[kind] += 1

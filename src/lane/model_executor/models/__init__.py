@@ -10,4 +10,5 @@ BUILTIN_MODELS: dict[str, str] = {
     "MistralForCausalLM": f"{_PKG}.mistral:MistralForCausalLM",
     "Qwen2ForCausalLM": f"{_PKG}.qwen2:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": f"{_PKG}.qwen3:Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM": f"{_PKG}.qwen3_moe:Qwen3MoeForCausalLM",
 }

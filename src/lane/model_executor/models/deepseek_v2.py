@@ -30,7 +30,7 @@ from lane.distributed.parallel_state import (dsa_context_parallel, dsa_head_grou
                                              replica_local_experts, sequence_parallel_begin)
 from lane.tracing import Step
 from lane.model_executor.layers.context_parallel import heads_to_rows, row_window, rows_to_heads
-from lane.model_executor.layers.fused_moe import (FusedMoE, combine_routed, fused_expert_name, grouped_topk,
+from lane.model_executor.layers.fused_moe import (FusedMoE, combine_routed, grouped_topk, load_expert_weight,
                                                   share_rows)
 from lane.model_executor.layers.indexer import Indexer
 from lane.model_executor.layers.layernorm import RMSNorm
@@ -219,9 +219,6 @@ class DeepseekV2Model(LlamaModel):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-_EXPERT = re.compile(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
-
-
 class DeepseekV3ForCausalLM(LlamaForCausalLM):
     model_cls = DeepseekV2Model
     rope_interleave_always = False
@@ -271,13 +268,8 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         name = self._mtp_name(name)
         if name is None:
             return None
-        if m := _EXPERT.match(name):  # one expert of a checkpoint's per-expert tensors
-            return f"{m.group(1)}.{self.get_submodule(m.group(1)).load_expert(m.group(3), int(m.group(2)), tensor)}"
-        name = fused_expert_name(name)
-        if name.endswith((".experts.w13", ".experts.w2")):  # transformers' stacked experts
-            module, _, attr = name.rpartition(".")
-            self.get_submodule(module).load_stacked(attr, tensor)  # lazy: its slices only
-            return name
+        if (expert := load_expert_weight(self, name, tensor)) is not None:
+            return expert
         if name.endswith((".q_b_proj.weight", ".q_proj.weight")):
             # regrouped whole to [every nope | every rope]; each part then split by heads on its own
             tensor = self._regroup_q(materialize(tensor))
