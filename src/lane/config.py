@@ -120,8 +120,11 @@ class CacheConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
     kv_cache_memory_bytes: int | None = None  # None: a quarter of free RAM, at most 4 GiB
+    kv_cache_dtype: str = "auto"  # auto: the model dtype; int8 / fp8_e4m3: C8, 8 bits with scales
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in ("auto", "int8", "fp8_e4m3"):
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype!r}: expected auto, int8 or fp8_e4m3")
         if self.block_size < 1:
             raise ValueError(f"--block-size must be >= 1, got {self.block_size}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
@@ -507,6 +510,7 @@ class EngineArgs:
     speculative_config: dict | str | None = None  # JSON text or a dict (SpeculativeConfig's fields)
     kv_transfer_config: dict | str | None = None  # JSON text or a dict (KVTransferConfig's fields)
     device: str | None = None  # None / "auto": the CPU (the only device lane runs on yet)
+    kv_cache_dtype: str = "auto"  # C8: int8 / fp8_e4m3
 
     def create_parallel_config(self) -> ParallelConfig:
         return ParallelConfig(self.tensor_parallel_size, self.data_parallel_size, self.enable_expert_parallel,
@@ -530,7 +534,7 @@ class EngineArgs:
         return EngineConfig(
             model_config,
             CacheConfig(model_config.resolve_block_size(block_size), self.enable_prefix_caching,
-                        self.kv_cache_memory_bytes),
+                        self.kv_cache_memory_bytes, self.kv_cache_dtype),
             SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs,
                             policy=os.environ.get("LANE_SCHEDULER_POLICY", "").strip() or "decode-first"),
             self.create_parallel_config(), SpeculativeConfig.parse(self.speculative_config), threads=self.threads,

@@ -53,6 +53,17 @@ class FullAttentionSpec(KVCacheSpec):
 
 
 @dataclass(frozen=True)
+class KVScaleSpec(KVCacheSpec):
+    """An 8-bit cache's scales (C8, ``--kv-cache-dtype int8 / fp8_e4m3``): one float per token
+    and KV head, [kv_heads, block_size] per block, so no scale spans a tensor-parallel split."""
+    num_kv_heads: int = 1
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.num_kv_heads, self.block_size)
+
+
+@dataclass(frozen=True)
 class MLAAttentionSpec(KVCacheSpec):
     """MLA's latent + roped shared key: [1, block_size, kv_lora_rank + rope] per block."""
     head_size: int = 0

@@ -34,7 +34,8 @@ class LLM:
                  speculative_config: dict | str | None = None, device: str | None = None,
                  rpc_secret_file: str | None = None, enable_eplb: bool = False,
                  eplb_config: dict | str | None = None, kv_transfer_config: dict | str | None = None,
-                 enable_sequence_parallel: bool = False, enable_dsa_cp: bool = False) -> None:
+                 enable_sequence_parallel: bool = False, enable_dsa_cp: bool = False,
+                 kv_cache_dtype: str = "auto") -> None:
         if data_parallel_size != 1:
             raise ValueError(f"data_parallel_size {data_parallel_size}: offline LLM runs one replica; "
                              f"serve replicas with lane serve --data-parallel-size")
@@ -49,7 +50,7 @@ class LLM:
                           speculative_config=speculative_config, device=device, rpc_secret_file=rpc_secret_file,
                           enable_eplb=enable_eplb, eplb_config=eplb_config,
                           kv_transfer_config=kv_transfer_config, enable_sequence_parallel=enable_sequence_parallel,
-                          enable_dsa_cp=enable_dsa_cp)
+                          enable_dsa_cp=enable_dsa_cp, kv_cache_dtype=kv_cache_dtype)
         start_cpu_kernel_build()
         self.config = args.create_engine_config()
         self.tokenizer = self.config.model_config.get_tokenizer()

@@ -54,6 +54,9 @@ def add_engine_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     g.add_argument("--kv-cache-memory-bytes", type=parse_bytes, default=None,
                    help="KV cache budget (default: a quarter of free RAM, at most 4 GiB)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3"],
+                   help="KV cache storage: auto (the model dtype), or 8 bits with a scale per token and KV head "
+                        "(C8), dequantized block by block inside the attention kernels")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--kv-transfer-config", default=None, metavar="JSON",
                    help='prefill/decode disaggregation: the KV connector and this engine\'s role, e.g. '
@@ -113,7 +116,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 enable_prefix_caching=args.enable_prefix_caching,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                 max_model_len=args.max_model_len, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-                seed=args.seed, quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size,
+                kv_cache_dtype=args.kv_cache_dtype, seed=args.seed, quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size,
                 data_parallel_size=args.data_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
                 distributed_executor_backend=args.distributed_executor_backend, nnodes=args.nnodes,
                 node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
@@ -377,6 +380,8 @@ def main(argv: list[str] | None = None) -> int:
     ex.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     ex.add_argument("--block-size", type=int, default=None)
     ex.add_argument("--kv-cache-memory-bytes", type=parse_bytes, default=None)
+    ex.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3"],
+                    help="the cache's bytes per token stored in 8 bits (C8) rather than the model dtype")
     ex.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "w8a8"],
                     help="the weights' resident memory under this --quantization (as lane serve takes it)")
     ex.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
@@ -390,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     add_eplb_args(ex)
 
     tm = sub.add_parser("tiny-model", help="write a small random checkpoint of an architecture (SmolLM2's tokenizer)")
-    tm.add_argument("arch", choices=["llama", "qwen3", "deepseek_v3", "deepseek_v32", "deepseek_v4"])
+    tm.add_argument("arch", choices=["llama", "qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v32", "deepseek_v4"])
     tm.add_argument("out_dir")
     tm.add_argument("--seed", type=int, default=0)
     tm.add_argument("--fp8", action="store_true",
@@ -412,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
             print(explain(args.model_tag, args.dtype, args.block_size, args.kv_cache_memory_bytes,
                           args.enable_prefix_caching, args.quantization, args.tensor_parallel_size,
                           args.enable_expert_parallel, args.enable_eplb, args.eplb_config,
-                          args.data_parallel_size))
+                          args.data_parallel_size, args.kv_cache_dtype))
         except (ValueError, FileNotFoundError, OSError) as e:
             ex.error(str(e))
         return 0

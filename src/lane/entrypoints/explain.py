@@ -22,12 +22,15 @@ def meta_model(mc):
 
 def _describe(specs: list, cfg) -> str:
     """What one token of one layer keeps, by spec type."""
-    from lane.kv_cache_interface import FullAttentionSpec, IndexerKeySpec, MLAAttentionSpec
+    from lane.kv_cache_interface import FullAttentionSpec, IndexerKeySpec, KVScaleSpec, MLAAttentionSpec
 
     parts = []
     for spec in dict.fromkeys(specs):
         if isinstance(spec, FullAttentionSpec):
-            parts.append(f"K and V: 2 x {spec.num_kv_heads} KV heads x {spec.head_size}")
+            parts.append(f"K and V: 2 x {spec.num_kv_heads} KV heads x {spec.head_size}"
+                         + (" bytes" if spec.dtype.itemsize == 1 else ""))
+        elif isinstance(spec, KVScaleSpec):
+            parts.append(f"their scales: 2 x {spec.num_kv_heads} x float32")
         elif isinstance(spec, MLAAttentionSpec):
             latent = int(cfg.kv_lora_rank)
             parts.append(f"latent {latent} + rope key {spec.head_size - latent}")
@@ -145,7 +148,7 @@ def explain(model: str | None, dtype: str = "auto", block_size: int | None = Non
             kv_cache_memory_bytes: int | None = None, enable_prefix_caching: bool = True,
             quantization: str = "auto", tensor_parallel_size: int = 1, enable_expert_parallel: bool = False,
             enable_eplb: bool = False, eplb_config: str | dict | None = None,
-            data_parallel_size: int = 1) -> str:
+            data_parallel_size: int = 1, kv_cache_dtype: str = "auto") -> str:
     from lane.config import CacheConfig, EplbConfig, ModelConfig, ParallelConfig, SchedulerConfig
 
     plugins.load_general_plugins()
@@ -194,7 +197,7 @@ def explain(model: str | None, dtype: str = "auto", block_size: int | None = Non
         return "\n".join(lines)
     from lane.core.kv_cache_utils import blocks_needed, get_kv_cache_config
     from lane.kv_cache_interface import FULL, SLIDING_WINDOW, group_kv_cache_specs
-    from lane.model_executor.layers.attention import kv_cache_specs
+    from lane.model_executor.layers.attention import kv_cache_specs, set_kv_cache_dtype
 
     # the specs, groups and sizing the engine allocates from, on a weightless model
     from lane.model_executor.loader import planned_weight_bytes
@@ -208,6 +211,7 @@ def explain(model: str | None, dtype: str = "auto", block_size: int | None = Non
     lines.insert(lines.index("2 · attention backend (chosen from the config's fields)") - 1,
                  f"  weights resident: {planned_weight_bytes(mc, model) / 2**20:,.1f} MiB "
                  f"(--quantization {mc.quantization}: {how[mc.quantization]})")
+    set_kv_cache_dtype(model, kv_cache_dtype)
     specs = kv_cache_specs(model, block_size, dtype, enable_prefix_caching)
     groups = group_kv_cache_specs(specs)
     if choice.name == "compressed":
@@ -216,7 +220,8 @@ def explain(model: str | None, dtype: str = "auto", block_size: int | None = Non
         n_layers = int(getattr(cfg, "num_hidden_layers", 0) or 1)
         per_layer = sum(s.page_size_bytes for s in specs.values()) // block_size // n_layers
         full_kv = _full_kv_bytes(cfg, dtype)
-        lines.append(f"  KV cache per token per layer ({str(dtype).removeprefix('torch.')}): "
+        stored = str(dtype).removeprefix('torch.') if kv_cache_dtype == "auto" else f"{kv_cache_dtype}, C8"
+        lines.append(f"  KV cache per token per layer ({stored}): "
                      f"{_describe(list(specs.values()), cfg)} = {per_layer:,} B")
         if full_kv != per_layer:
             lines.append(f"    (full K/V for every head would take {full_kv:,} B: {full_kv / per_layer:.1f}x more)")

@@ -18,7 +18,7 @@ from lane import platform, tracing
 from lane.attention.metadata import BatchLayout, CommonAttentionMetadata, set_forward_context
 from lane.core.scheduler_output import SchedulerOutput
 from lane.kv_cache_interface import STATE, KVCacheConfig, KVCacheSpec
-from lane.model_executor.layers.attention import CacheLayer, cache_layers, kv_cache_specs
+from lane.model_executor.layers.attention import CacheLayer, cache_layers, kv_cache_specs, set_kv_cache_dtype
 from lane.config import SpeculativeConfig
 from lane.model_executor.layers.sampler import SamplingMetadata, sample, target_distribution, token_logprobs
 from lane.outputs import ModelRunnerOutput
@@ -43,8 +43,10 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
 class ModelRunner:
     def __init__(self, model: nn.Module, block_size: int, dtype: torch.dtype, device: torch.device,
                  enable_prefix_caching: bool = True, eos_token_ids: list[int] | None = None,
-                 speculative_config: SpeculativeConfig | None = None, max_model_len: int | None = None) -> None:
+                 speculative_config: SpeculativeConfig | None = None, max_model_len: int | None = None,
+                 kv_cache_dtype: str = "auto") -> None:
         self.model = model
+        set_kv_cache_dtype(model, kv_cache_dtype)  # C8: the layers' cache storage, before their specs
         self.eos_token_ids = list(eos_token_ids or [])  # masked, with stop_token_ids, before min_tokens
         self.block_size = block_size
         self.dtype = dtype

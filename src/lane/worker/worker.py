@@ -77,7 +77,7 @@ class Worker:
         kernels_in_float32(self.model)
         self.runner = ModelRunner(self.model, config.cache_config.block_size, mc.dtype, mc.device_type,
                                   config.cache_config.enable_prefix_caching, mc.eos_token_ids, spec,
-                                  config.scheduler_config.max_model_len)
+                                  config.scheduler_config.max_model_len, config.cache_config.kv_cache_dtype)
 
     def _init_distributed(self, pc, device: torch.device) -> None:
         """Steps 2 and 5: join the replica's world, hand the groups to the layers built next."""

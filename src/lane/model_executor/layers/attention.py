@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from lane import platform, tracing
 from lane.attention.metadata import PagedAttentionMetadata, PrefillSpan, get_forward_context
-from lane.kv_cache_interface import FullAttentionSpec, KVCacheSpec
+from lane.kv_cache_interface import FullAttentionSpec, KVCacheSpec, KVScaleSpec
 from lane.model_executor.layers import cpu_kernels
 from lane.tracing import Step
 
@@ -72,6 +72,63 @@ def decode_attention_torch(q, k_cache, v_cache, block_tables, context_lens, scal
     return torch.matmul(p, v).reshape(B, H, D)
 
 
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
+_CEILING = {"int8": 127.0, "fp8_e4m3": 448.0}  # the largest stored magnitude
+
+
+def quantize_rows_8bit(x: torch.Tensor, fp8: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (bytes [..., D]: int8, or fp8 e4m3 as uint8; scales [...] float32), one
+    scale per row: absmax / 127 (int8) or / 448 (fp8)."""
+    xf = x.float()
+    scale = xf.abs().amax(-1) / _CEILING["fp8_e4m3" if fp8 else "int8"]
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    y = xf * (1.0 / scale)[..., None]
+    q = y.to(torch.float8_e4m3fn).view(torch.uint8) if fp8 else y.round().to(torch.int8)
+    return q, scale
+
+
+def dequantize_8bit(q: torch.Tensor, scale: torch.Tensor, fp8: bool) -> torch.Tensor:
+    vals = q.view(torch.float8_e4m3fn).float() if fp8 else q.float()
+    return vals * scale[..., None]
+
+
+def attention_8bit_torch(q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, scale, fp8: bool,
+                         blocks_per_pass: int = 32):
+    """The torch path over an 8-bit cache: q [B, H, D], one query per row at context_lens
+    [B]; an online softmax over ``blocks_per_pass`` blocks at a time, each pass dequantizing
+    only its blocks (never a copy of the whole context)."""
+    B, H, D = q.shape
+    kvh, bs = k_cache.shape[1], k_cache.shape[2]
+    g = H // kvh
+    if block_tables.dim() == 1:  # one request's table for every row (a prefill chunk's rows)
+        block_tables = block_tables.expand(B, -1)
+    qf = q.float().view(B, kvh, g, D) * scale
+    m = torch.full((B, kvh, g, 1), float("-inf"))
+    l = torch.zeros(B, kvh, g, 1)
+    acc = torch.zeros(B, kvh, g, D)
+    lens = context_lens.to(torch.long)
+    for j in range(0, -(-int(lens.max()) // bs), blocks_per_pass):
+        ids = block_tables[:, j:j + blocks_per_pass]
+        n = ids.shape[1] * bs
+
+        def deq(c, s):
+            vals = gather_blocks(c, ids)  # [B, kvh, n, D] bytes: this pass's blocks only
+            sc = s.index_select(0, ids.reshape(-1)).view(B, -1, kvh, bs).transpose(1, 2).reshape(B, kvh, n)
+            return dequantize_8bit(vals, sc, fp8)
+
+        k, v = deq(k_cache, k_scale), deq(v_cache, v_scale)
+        s = torch.matmul(qf, k.transpose(-1, -2))  # [B, kvh, g, n]
+        pos = j * bs + torch.arange(n)
+        s.masked_fill_((pos[None, :] >= lens[:, None])[:, None, None, :], float("-inf"))
+        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+        c = torch.where(m == float("-inf"), torch.zeros_like(m), torch.exp(m - m_new))
+        p = torch.exp(s - m_new)
+        l = l * c + p.sum(-1, keepdim=True)
+        acc = acc * c + torch.matmul(p, v)
+        m = m_new
+    return (acc / l).reshape(B, H, D).to(q.dtype)
+
+
 def prefill_attention_torch(q, k, v, k_cache, v_cache, block_ids, num_computed, scale):
     """Reference path for one chunk (q [n, H, D], its own k, v [n, KVH, D]): with cached
     context, gather the request's blocks; expand GQA heads; SDPA."""
@@ -102,6 +159,9 @@ class CacheLayer(nn.Module):
     # each row on its own (its context length): a request's several rows (drafts to verify)
     # may then be decode rows, each seeing the cache up to itself
     decode_rows_independent = False
+    # C8: whether it can keep its cache in 8 bits, and the storage chosen (set_kv_cache_dtype)
+    supports_8bit_cache = False
+    kv_cache_dtype = "auto"
 
     def __init__(self) -> None:
         super().__init__()
@@ -128,6 +188,7 @@ class CacheLayer(nn.Module):
 class Attention(CacheLayer):
     """Writes this layer's K/V into the paged cache, then attends."""
     decode_rows_independent = True
+    supports_8bit_cache = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__()
@@ -137,14 +198,23 @@ class Attention(CacheLayer):
         self.scale = scale
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        self.k_scale = torch.empty(0)
+        self.v_scale = torch.empty(0)
 
     def kv_cache_specs(self, block_size: int, dtype: torch.dtype,
                        enable_prefix_caching: bool) -> dict[str, KVCacheSpec]:
-        spec = FullAttentionSpec(block_size, dtype, self.num_kv_heads, self.head_dim)
-        return {"k_cache": spec, "v_cache": spec}
+        if self.kv_cache_dtype == "auto":
+            spec = FullAttentionSpec(block_size, dtype, self.num_kv_heads, self.head_dim)
+            return {"k_cache": spec, "v_cache": spec}
+        store = torch.int8 if self.kv_cache_dtype == "int8" else torch.uint8  # fp8: e4m3 bytes
+        spec = FullAttentionSpec(block_size, store, self.num_kv_heads, self.head_dim)
+        scales = KVScaleSpec(block_size, torch.float32, self.num_kv_heads)
+        return {"k_cache": spec, "v_cache": spec, "k_scale": scales, "v_scale": scales}
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KV, D] -> [T, H*D]"""
+        if self.kv_cache_dtype != "auto" and self.k_cache.numel():
+            return self._forward_8bit(q, k, v)
         md: PagedAttentionMetadata = self.attn_metadata("k_cache")
         kc, vc = self.k_cache, self.v_cache
         if kc.numel():  # step 24: K/V into their slots
@@ -172,6 +242,33 @@ class Attention(CacheLayer):
         mark(Step.OPS_ATTENTION)
         return out.view(q.shape[0], -1)
 
+    def _forward_8bit(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """C8: K/V quantized into their slots (step 24); decode rows, and every row of a prefill
+        chunk, attended by the paged kernel over the 8-bit cache (step 27)."""
+        md: PagedAttentionMetadata = self.attn_metadata("k_cache")
+        kc, vc, ks, vs = self.k_cache, self.v_cache, self.k_scale, self.v_scale
+        fp8 = self.kv_cache_dtype == "fp8_e4m3"
+        if cpu_kernels.usable(k):
+            cpu_kernels.cache_write_8bit(k, v, kc, vc, ks, vs, md.slot_mapping, fp8)
+        else:
+            bs = kc.shape[2]
+            blk, off = md.slot_mapping // bs, md.slot_mapping % bs
+            kc[blk, :, off], ks[blk, :, off] = quantize_rows_8bit(k, fp8)
+            vc[blk, :, off], vs[blk, :, off] = quantize_rows_8bit(v, fp8)
+        mark = tracing.forward_mark()
+        mark(Step.OPS_KV_WRITE)
+        attend = cpu_kernels.decode_attention_8bit if cpu_kernels.usable(q) else attention_8bit_torch
+        out = torch.empty_like(q)
+        nd = md.num_decodes
+        if nd:
+            out[:nd] = attend(q[:nd], kc, vc, ks, vs, md.decode_block_tables, md.decode_context_lens, self.scale, fp8)
+        for span in md.prefills:  # each row at its own context length, as a decode row
+            s, e = span.query_start, span.query_end
+            lens = torch.arange(span.num_computed + 1, span.num_computed + e - s + 1, dtype=torch.int32)
+            out[s:e] = attend(q[s:e], kc, vc, ks, vs, span.block_ids, lens, self.scale, fp8)
+        mark(Step.OPS_ATTENTION)
+        return out.view(q.shape[0], -1)
+
     def _prefill(self, q, k, v, span: PrefillSpan, kc, vc) -> torch.Tensor:
         if kc.numel() and prefill_rows_for(q, kc):
             return cpu_kernels.prefill_rows_attention(q, kc, vc, span.block_ids, span.num_computed, self.scale)
@@ -186,6 +283,21 @@ def cache_layers(model: nn.Module) -> dict[str, CacheLayer]:
     skip = tuple(getattr(model, "kv_cache_skip", ()))
     return {name: m for name, m in model.named_modules()
             if isinstance(m, CacheLayer) and not name.startswith(skip)}
+
+
+def set_kv_cache_dtype(model: nn.Module, kind: str) -> None:
+    """--kv-cache-dtype: the storage of every cache layer's tensors; 8 bits (C8) only where
+    every layer can keep them so, else a ValueError naming the ones that cannot."""
+    if kind not in KV_CACHE_DTYPES:
+        raise ValueError(f"--kv-cache-dtype {kind!r}: expected one of {', '.join(KV_CACHE_DTYPES)}")
+    layers = cache_layers(model)
+    if kind != "auto":
+        unable = sorted({type(m).__name__ for m in layers.values() if not m.supports_8bit_cache})
+        if unable:
+            raise ValueError(f"--kv-cache-dtype {kind}: this model's {', '.join(unable)} caches are not kept in "
+                             f"8 bits yet (paged K/V attention is); use --kv-cache-dtype auto")
+    for m in layers.values():
+        m.kv_cache_dtype = kind
 
 
 def kv_cache_specs(model: nn.Module, block_size: int, dtype: torch.dtype,

@@ -18,6 +18,7 @@ turns the kernels off.
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import importlib.machinery
 import importlib.util
@@ -241,6 +242,44 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
                                      out.data_ptr(), B, H, KVH, D, BS, tables.shape[1] if tables.dim() == 2 else 0,
                                      scale, torch.get_num_threads())
     return out
+
+
+@functools.cache
+def fp8_e4m3_table() -> torch.Tensor:
+    """The 256 float8 e4m3fn bytes as float32 (the 8-bit cache's fp8 decode table)."""
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+
+
+def decode_attention_8bit(q, k_cache, v_cache, k_scale, v_scale, block_tables, context_lens, scale, fp8: bool):
+    """decode_attention over an 8-bit cache (C8): k/v_cache int8 or uint8 (fp8 e4m3 bytes)
+    [blocks, KVH, block_size, D], their float32 scales [blocks, KVH, block_size]; each row
+    dequantized as the kernel reads it."""
+    B, H, D = q.shape
+    KVH, BS = k_cache.shape[1], k_cache.shape[2]
+    if D > 1024 or BS > 256:
+        raise ValueError(f"paged decode kernel: head_dim {D} > 1024 or block size {BS} > 256")
+    q = q.contiguous()
+    tables = _as(block_tables, torch.int64)
+    lens = _as(context_lens, torch.int32)
+    out = torch.empty_like(q)
+    _lib.lane_paged_decode_attention_q8(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_scale.data_ptr(),
+                                        v_scale.data_ptr(), fp8_e4m3_table().data_ptr(), int(fp8),
+                                        _DTYPE_CODES[q.dtype], tables.data_ptr(), lens.data_ptr(), out.data_ptr(),
+                                        B, H, KVH, D, BS, tables.shape[1] if tables.dim() == 2 else 0, scale,
+                                        torch.get_num_threads())
+    return out
+
+
+def cache_write_8bit(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping, fp8: bool):
+    """cache_write into an 8-bit cache: each (token, head) row quantized with its own scale
+    (absmax / 127 for int8, absmax / 448 for fp8 e4m3)."""
+    T, KVH, D = k.shape
+    if k.stride(2) != 1 or k.stride(1) != D or v.stride(2) != 1 or v.stride(1) != D:
+        k, v = k.contiguous(), v.contiguous()
+    slots = _as(slot_mapping, torch.int64)
+    _lib.lane_cache_write_q8(k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), k_cache.data_ptr(),
+                             v_cache.data_ptr(), k_scale.data_ptr(), v_scale.data_ptr(), slots.data_ptr(),
+                             _DTYPE_CODES[k.dtype], int(fp8), T, KVH, D, k_cache.shape[2])
 
 
 def prefill_rows_attention(q, k_cache, v_cache, block_ids, num_computed, scale):

@@ -15,6 +15,11 @@ void lane_paged_prefill_attention(const void*, const void*, const void*, int, co
                                   int64_t, int64_t, int64_t, int64_t, int64_t, float, int);
 void lane_cache_write(const void*, const void*, int64_t, int64_t, void*, void*, const int64_t*, int, int64_t, int64_t,
                       int64_t, int64_t);
+void lane_paged_decode_attention_q8(const void*, const void*, const void*, const float*, const float*, const float*,
+                                    int, int, const int64_t*, const int32_t*, void*, int64_t, int64_t, int64_t,
+                                    int64_t, int64_t, int64_t, float, int);
+void lane_cache_write_q8(const void*, const void*, int64_t, int64_t, void*, void*, float*, float*, const int64_t*, int,
+                         int, int64_t, int64_t, int64_t, int64_t);
 void lane_llama_decode_layers(const int64_t*, const int64_t*, void*, void*, int, const int64_t*, const int64_t*,
                               const int64_t*, const int32_t*, int64_t, int64_t, float, float, double*, int);
 void lane_small_m_linear(const void*, int, const void*, int, const void*, void*, int64_t, int64_t,
@@ -93,7 +98,8 @@ PyObject* wrap(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 
 #define LANE_DEF(name) {#name, reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(wrap<name>)), METH_FASTCALL, nullptr}
 PyMethodDef methods[] = {
-    LANE_DEF(lane_paged_decode_attention), LANE_DEF(lane_paged_prefill_attention), LANE_DEF(lane_cache_write), LANE_DEF(lane_llama_decode_layers), LANE_DEF(lane_small_m_linear), LANE_DEF(lane_rms_norm_),
+    LANE_DEF(lane_paged_decode_attention), LANE_DEF(lane_paged_prefill_attention), LANE_DEF(lane_cache_write), LANE_DEF(lane_paged_decode_attention_q8), LANE_DEF(lane_cache_write_q8),
+    LANE_DEF(lane_llama_decode_layers), LANE_DEF(lane_small_m_linear), LANE_DEF(lane_rms_norm_),
     LANE_DEF(lane_rotary_), LANE_DEF(lane_silu_and_mul), LANE_DEF(lane_argmax_rows), LANE_DEF(lane_sinkhorn_),
     LANE_DEF(lane_dequant_ggml), LANE_DEF(lane_quantize_rows_q8), LANE_DEF(lane_quant_block_dots),
     LANE_DEF(lane_quant_linear), LANE_DEF(lane_quantize_per_token_int8), LANE_DEF(lane_int8_scale),

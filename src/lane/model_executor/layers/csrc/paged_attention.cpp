@@ -20,12 +20,51 @@ inline void load_row(const T* src, float* dst, int64_t D) {
 constexpr int64_t kMaxD = 1024;  // MLA decode: latent 512 + rope 64
 constexpr int64_t kMaxBS = 256;
 
+// Where the kernel reads a cache row from (``off``: the row's element offset in a cache of
+// [blocks, KVH, BS, D]), widened to float: a cache in the query's dtype ...
+template <typename T>
+struct DenseRows {
+  const T* k;
+  const T* v;
+  static constexpr int64_t kElem = sizeof(T);
+  inline void k_row(int64_t off, float* dst, int64_t D) const { load_row(k + off, dst, D); }
+  inline void v_row(int64_t off, float* dst, int64_t D) const { load_row(v + off, dst, D); }
+  inline const char* k_bytes(int64_t off) const { return reinterpret_cast<const char*>(k + off); }
+  inline const char* v_bytes(int64_t off) const { return reinterpret_cast<const char*>(v + off); }
+};
+
+// ... or an 8-bit cache (C8, --kv-cache-dtype int8 / fp8_e4m3): one byte per value and one
+// float scale per (token, KV head), each row dequantized as the kernel reads it, block by
+// block, never into a copy of the context. int8 bytes are signed integers; fp8 bytes go
+// through a 256-entry table.
+template <bool FP8>
+struct ByteRows {
+  const uint8_t* k;
+  const uint8_t* v;
+  const float* ks;
+  const float* vs;
+  const float* lut;
+  static constexpr int64_t kElem = 1;
+  inline void row(const uint8_t* src, float s, float* dst, int64_t D) const {
+    if constexpr (FP8) {
+      for (int64_t d = 0; d < D; ++d) dst[d] = lut[src[d]] * s;
+    } else {
+      const int8_t* x = reinterpret_cast<const int8_t*>(src);
+      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(x[d]) * s;
+    }
+  }
+  inline void k_row(int64_t off, float* dst, int64_t D) const { row(k + off, ks[off / D], dst, D); }
+  inline void v_row(int64_t off, float* dst, int64_t D) const { row(v + off, vs[off / D], dst, D); }
+  inline const char* k_bytes(int64_t off) const { return reinterpret_cast<const char*>(k + off); }
+  inline const char* v_bytes(int64_t off) const { return reinterpret_cast<const char*>(v + off); }
+};
+
 // One pass over the request's blocks with a per-block online softmax: K and V
 // are each read once, straight from the cache.
 // DC: head_dim as a compile-time constant (0 = runtime D) so the inner loops
 // unroll into whole vector registers.
-template <typename T, int64_t DC>
-void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* tables,
+template <typename T, int64_t DC, typename Rows>
+void decode_kernel(const T* q, const Rows& cache, const int64_t* tables,
                    const int32_t* lens, T* out, int64_t B, int64_t H, int64_t KVH,
                    int64_t D_, int64_t BS, int64_t MB, float scale, int threads) {
   const int64_t D = DC ? DC : D_;
@@ -51,9 +90,9 @@ void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* tables,
         const int64_t n = std::min(BS, L - j * BS);
         if (j + 1 < nblocks) {  // overlap the next block's DRAM reads with this block's math
           const int64_t next = tables[b * MB + j + 1] * blk_stride + h * BS * D;
-          const char* kn = reinterpret_cast<const char*>(kc + next);
-          const char* vn = reinterpret_cast<const char*>(vc + next);
-          const int64_t bytes = BS * D * static_cast<int64_t>(sizeof(T));
+          const char* kn = cache.k_bytes(next);
+          const char* vn = cache.v_bytes(next);
+          const int64_t bytes = BS * D * Rows::kElem;
           for (int64_t off = 0; off < bytes; off += 64) {
             __builtin_prefetch(kn + off);
             __builtin_prefetch(vn + off);
@@ -62,7 +101,7 @@ void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* tables,
         // scores, four tokens at a time: four independent accumulators per head
         int64_t t = 0;
         for (; t + 4 <= n; t += 4) {
-          for (int u = 0; u < 4; ++u) load_row(kc + base + (t + u) * tok_stride, rows[u], D);
+          for (int u = 0; u < 4; ++u) cache.k_row(base + (t + u) * tok_stride, rows[u], D);
           for (int64_t g = 0; g < G; ++g) {
             const float* qg = &qf[g * D];
             float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
@@ -77,7 +116,7 @@ void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* tables,
           }
         }
         for (; t < n; ++t) {
-          load_row(kc + base + t * tok_stride, rows[0], D);
+          cache.k_row(base + t * tok_stride, rows[0], D);
           for (int64_t g = 0; g < G; ++g) {
             const float* qg = &qf[g * D];
             float dot = 0.f;
@@ -101,7 +140,7 @@ void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* tables,
         // acc += p . v, four tokens per pass over the accumulator
         t = 0;
         for (; t + 4 <= n; t += 4) {
-          for (int u = 0; u < 4; ++u) load_row(vc + base + (t + u) * tok_stride, rows[u], D);
+          for (int u = 0; u < 4; ++u) cache.v_row(base + (t + u) * tok_stride, rows[u], D);
           for (int64_t g = 0; g < G; ++g) {
             const float* p = &s[g * BS + t];
             float* a = &acc[g * D];
@@ -110,7 +149,7 @@ void decode_kernel(const T* q, const T* kc, const T* vc, const int64_t* tables,
           }
         }
         for (; t < n; ++t) {
-          load_row(vc + base + t * tok_stride, rows[0], D);
+          cache.v_row(base + t * tok_stride, rows[0], D);
           for (int64_t g = 0; g < G; ++g) {
             const float p = s[g * BS + t];
             float* a = &acc[g * D];
@@ -278,18 +317,17 @@ bool try_avx512(const T* q, const T* kc, const T* vc, const int64_t* tables, con
   return false;
 }
 
-template <typename T>
-void paged_decode(const T* qp, const T* kc, const T* vc, const int64_t* tp, const int32_t* lp, T* op,
-                  int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t BS, int64_t MB, float sc,
-                  int threads) {
-  // nb requests starting at q_ / tables_ / lens_ / out_, nh query heads each
-  auto launch = [&](const T* q_, const int64_t* tables_, const int32_t* lens_, T* out_, int64_t nb,
-                    int64_t nh) {
-    if (try_avx512(q_, kc, vc, tables_, lens_, out_, nb, nh, KVH, D, BS, MB, sc, threads)) return;
-    if (D == 64) decode_kernel<T, 64>(q_, kc, vc, tables_, lens_, out_, nb, nh, KVH, D, BS, MB, sc, threads);
-    else if (D == 128) decode_kernel<T, 128>(q_, kc, vc, tables_, lens_, out_, nb, nh, KVH, D, BS, MB, sc, threads);
-    else decode_kernel<T, 0>(q_, kc, vc, tables_, lens_, out_, nb, nh, KVH, D, BS, MB, sc, threads);
-  };
+template <typename T, typename Rows>
+void decode_rows(const T* q, const Rows& rows, const int64_t* tables, const int32_t* lens, T* out, int64_t B,
+                 int64_t H, int64_t KVH, int64_t D, int64_t BS, int64_t MB, float sc, int threads) {
+  if (D == 64) decode_kernel<T, 64>(q, rows, tables, lens, out, B, H, KVH, D, BS, MB, sc, threads);
+  else if (D == 128) decode_kernel<T, 128>(q, rows, tables, lens, out, B, H, KVH, D, BS, MB, sc, threads);
+  else decode_kernel<T, 0>(q, rows, tables, lens, out, B, H, KVH, D, BS, MB, sc, threads);
+}
+
+template <typename T, typename Launch>
+void split_heads(const Launch& launch, const T* qp, const int64_t* tp, const int32_t* lp, T* op, int64_t B,
+                 int64_t H, int64_t KVH, int64_t D, int64_t MB, int threads) {
   // Work is split over (request, KV head). With one KV head (MQA, MLA's latent) and fewer
   // requests than threads, each request's query heads are split too, so every thread gets some.
   const int64_t splits = (KVH == 1 && B < threads) ? std::min<int64_t>(H, threads / B) : 1;
@@ -306,6 +344,51 @@ void paged_decode(const T* qp, const T* kc, const T* vc, const int64_t* tp, cons
   }
 }
 
+template <typename T>
+void paged_decode(const T* qp, const T* kc, const T* vc, const int64_t* tp, const int32_t* lp, T* op,
+                  int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t BS, int64_t MB, float sc,
+                  int threads) {
+  // nb requests starting at q_ / tables_ / lens_ / out_, nh query heads each
+  auto launch = [&](const T* q_, const int64_t* tables_, const int32_t* lens_, T* out_, int64_t nb,
+                    int64_t nh) {
+    if (try_avx512(q_, kc, vc, tables_, lens_, out_, nb, nh, KVH, D, BS, MB, sc, threads)) return;
+    decode_rows(q_, DenseRows<T>{kc, vc}, tables_, lens_, out_, nb, nh, KVH, D, BS, MB, sc, threads);
+  };
+  split_heads(launch, qp, tp, lp, op, B, H, KVH, D, MB, threads);
+}
+
+// An 8-bit cache: the same kernel, its rows dequantized as they are read.
+template <typename T, bool FP8>
+void paged_decode_q8(const T* qp, const uint8_t* kc, const uint8_t* vc, const float* ks, const float* vs,
+                     const float* lut, const int64_t* tp, const int32_t* lp, T* op, int64_t B, int64_t H,
+                     int64_t KVH, int64_t D, int64_t BS, int64_t MB, float sc, int threads) {
+  const ByteRows<FP8> rows{kc, vc, ks, vs, lut};
+  auto launch = [&](const T* q_, const int64_t* tables_, const int32_t* lens_, T* out_, int64_t nb, int64_t nh) {
+    decode_rows(q_, rows, tables_, lens_, out_, nb, nh, KVH, D, BS, MB, sc, threads);
+  };
+  split_heads(launch, qp, tp, lp, op, B, H, KVH, D, MB, threads);
+}
+
+// x (|x| <= 448) -> the nearest float8 e4m3fn byte (ties to even), as torch's conversion.
+inline uint8_t fp8_e4m3_byte(float x) {
+  const uint8_t sign = std::signbit(x) ? 0x80 : 0;
+  float a = std::fabs(x);
+  if (!(a == a)) return 0x7f;  // NaN
+  if (a >= 448.f) return sign | 0x7e;  // saturate to the largest finite
+  int e;
+  std::frexp(a, &e);  // a = m * 2^e, m in [0.5, 1)
+  int exp = e - 1;    // a = 1.f * 2^exp
+  if (exp < -6) exp = -6;  // subnormals: fixed step 2^-9
+  const float step = std::ldexp(1.f, exp - 3);
+  float q = std::nearbyint(a / step);  // ties to even under the default rounding mode
+  if (q >= 16.f) {  // rounding carried into the next binade
+    exp += 1;
+    q = 8.f;
+  }
+  if (exp == -6 && q < 8.f) return sign | static_cast<uint8_t>(q);  // subnormal
+  return sign | static_cast<uint8_t>(((exp + 7) << 3) | (static_cast<int>(q) - 8));
+}
+
 }  // namespace
 
 // q [B, H, D], caches [NB, KVH, BS, D] (one dtype), block_tables [B, MB] int64,
@@ -319,6 +402,59 @@ extern "C" void lane_paged_decode_attention(const void* q, const void* k_cache, 
                 paged_decode<T>(static_cast<const T*>(q), static_cast<const T*>(k_cache),
                                 static_cast<const T*>(v_cache), block_tables, context_lens,
                                 static_cast<T*>(out), B, H, KVH, D, BS, MB, scale, threads));
+}
+
+// The same over an 8-bit cache (uint8 [NB, KVH, BS, D]) with float scales [NB, KVH, BS]:
+// fp8 != 0 reads the bytes through lut (256 floats), else as int8.
+extern "C" void lane_paged_decode_attention_q8(const void* q, const void* k_cache, const void* v_cache,
+                                               const float* k_scale, const float* v_scale, const float* lut, int fp8,
+                                               int dtype, const int64_t* block_tables, const int32_t* context_lens,
+                                               void* out, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t BS,
+                                               int64_t MB, float scale, int threads) {
+  const auto* kc = static_cast<const uint8_t*>(k_cache);
+  const auto* vc = static_cast<const uint8_t*>(v_cache);
+  if (fp8) {
+    LANE_DISPATCH(dtype, T,
+                  paged_decode_q8<T, true>(static_cast<const T*>(q), kc, vc, k_scale, v_scale, lut, block_tables,
+                                           context_lens, static_cast<T*>(out), B, H, KVH, D, BS, MB, scale, threads));
+  } else {
+    LANE_DISPATCH(dtype, T,
+                  paged_decode_q8<T, false>(static_cast<const T*>(q), kc, vc, k_scale, v_scale, lut, block_tables,
+                                            context_lens, static_cast<T*>(out), B, H, KVH, D, BS, MB, scale, threads));
+  }
+}
+
+// Step 24 in 8 bits: T tokens' K and V rows ([T, KVH, D] floats of dtype, row strides in
+// elements) quantized per (token, head) into their slots: int8 with scale absmax / 127, or
+// (fp8) e4m3 with scale absmax / 448, the bytes from lut's inverse (round to nearest).
+extern "C" void lane_cache_write_q8(const void* k, const void* v, int64_t k_stride, int64_t v_stride, void* k_cache,
+                                    void* v_cache, float* k_scale, float* v_scale, const int64_t* slots, int dtype,
+                                    int fp8, int64_t T, int64_t KVH, int64_t D, int64_t BS) {
+  LANE_DISPATCH(dtype, X, {
+    std::vector<float> row(D);
+    const float top = fp8 ? 448.f : 127.f;
+    auto put = [&](const X* src, uint8_t* dst, float* sc) {
+      float amax = 0.f;
+      for (int64_t d = 0; d < D; ++d) {
+        row[d] = to_f(src[d]);
+        amax = std::max(amax, std::fabs(row[d]));
+      }
+      const float s = amax > 0.f ? amax / top : 1.f, inv = 1.f / s;
+      *sc = s;
+      for (int64_t d = 0; d < D; ++d) dst[d] = fp8 ? fp8_e4m3_byte(row[d] * inv)
+                                                    : static_cast<uint8_t>(static_cast<int8_t>(std::lrint(row[d] * inv)));
+    };
+    const X* kp = static_cast<const X*>(k);
+    const X* vp = static_cast<const X*>(v);
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t blk = slots[t] / BS, off = slots[t] % BS;
+      for (int64_t h = 0; h < KVH; ++h) {
+        const int64_t at = (blk * KVH + h) * BS + off;
+        put(kp + t * k_stride + h * D, static_cast<uint8_t*>(k_cache) + at * D, k_scale + at);
+        put(vp + t * v_stride + h * D, static_cast<uint8_t*>(v_cache) + at * D, v_scale + at);
+      }
+    }
+  });
 }
 
 // Step 24: T tokens' K and V rows ([T, KVH, D], heads contiguous, row strides in elements)
