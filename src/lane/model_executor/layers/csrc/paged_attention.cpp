@@ -3,8 +3,13 @@
 // Work is split over (request, kv head) pairs; each pair serves its GQA group.
 #include "common.h"
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -35,19 +40,34 @@ struct DenseRows {
 
 // ... or an 8-bit cache (C8, --kv-cache-dtype int8 / fp8_e4m3): one byte per value and one
 // float scale per (token, KV head), each row dequantized as the kernel reads it, block by
-// block, never into a copy of the context. int8 bytes are signed integers; fp8 bytes go
-// through a 256-entry table.
+// block, never into a copy of the context. int8 bytes are signed integers. An fp8 e4m3 byte
+// moved into an fp16's top bits (sign to bit 15, exponent and mantissa from bit 7) is the
+// same number times 2^-8, subnormals included (both exponents' bias and subnormal step
+// differ by 8 binades): F16C converts a row in vectors, the 2^8 going into the scale; without
+// F16C a 256-entry table.
 template <bool FP8>
 struct ByteRows {
   const uint8_t* k;
   const uint8_t* v;
   const float* ks;
   const float* vs;
-  const float* lut;
+  const float* lut;  // fp8 byte -> float, where the fp16 route is not built
   static constexpr int64_t kElem = 1;
   inline void row(const uint8_t* src, float s, float* dst, int64_t D) const {
     if constexpr (FP8) {
-      for (int64_t d = 0; d < D; ++d) dst[d] = lut[src[d]] * s;
+      int64_t d = 0;
+#if defined(__AVX2__) && defined(__F16C__)
+      const __m256 s8 = _mm256_set1_ps(s * 256.f);
+      const __m256i sign = _mm256_set1_epi16(0x80), rest = _mm256_set1_epi16(0x7f);
+      for (; d + 16 <= D; d += 16) {  // 16 bytes -> 16 fp16 bit patterns -> 16 floats
+        const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d)));
+        const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, sign), 8),
+                                          _mm256_slli_epi16(_mm256_and_si256(b, rest), 7));
+        _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), s8));
+        _mm256_storeu_ps(dst + d + 8, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), s8));
+      }
+#endif
+      for (; d < D; ++d) dst[d] = lut[src[d]] * s;  // the table: other CPUs, and a row's tail
     } else {
       const int8_t* x = reinterpret_cast<const int8_t*>(src);
       for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(x[d]) * s;
