@@ -5,7 +5,9 @@
   what ``lane serve`` runs), and the KV bytes that context occupies;
 - quality: perplexity on this README (float32 weights, ``--quantization none``), and greedy
   agreement over 256 tokens from a few prompts, against ``auto``;
-- capacity: bytes per token and tokens per GiB, as ``lane explain`` counts them.
+- capacity: bytes per token and tokens per GiB, as ``lane explain`` counts them, here and for
+  the full-size DeepSeek V3, V3.2 and V4-Flash configs (transformers' defaults), bf16 against
+  8 bits, with what a million tokens of context keep.
 
 Decode figures are (time for 1 + N tokens) - (time for 1 token), the context a prefix-cache hit
 (cached by a warm-up run), so the prefill (its last block only) cancels out.
@@ -26,6 +28,34 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from quantized_quality import PROMPTS  # noqa: E402
 
 KINDS = ("auto", "int8", "fp8_e4m3")
+FULL_SIZE = {"DeepSeek V3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
+             "DeepSeek V3.2": ("DeepseekV32Config", "DeepseekV32ForCausalLM"),
+             "DeepSeek V4-Flash": ("DeepseekV4Config", "DeepseekV4ForCausalLM")}
+
+
+def full_size_bytes() -> dict:
+    """Bytes per token kept for the whole context (prefix caching on) of the full-size configs,
+    bf16 and C8, from lane explain on a weightless model."""
+    import re
+    import tempfile
+
+    import transformers
+
+    from lane.entrypoints.explain import explain
+
+    out = {}
+    with tempfile.TemporaryDirectory() as d:
+        for name, (cls, arch) in FULL_SIZE.items():
+            cfg = getattr(transformers, cls)().to_dict()
+            cfg["architectures"] = [arch]
+            with open(os.path.join(d, "config.json"), "w") as f:
+                json.dump(cfg, f)
+            out[name] = {}
+            for kind in ("auto", "int8"):
+                text = explain(d, "bfloat16", kv_cache_dtype=kind)
+                out[name]["bf16" if kind == "auto" else kind] = float(
+                    re.search(r"per token, all \d+ layers: ([\d,.]+) B", text).group(1).replace(",", ""))
+    return out
 
 
 def decode_speed(kind: str, ids: list[int], new: int, repeats: int) -> dict:
@@ -107,6 +137,12 @@ def main() -> None:
     res["perplexity"] = {k: round(v, 4) for k, v in ppl.items()}
     res["perplexity_ratio_vs_auto"] = {k: round(ppl[k] / ppl["auto"], 4) for k in KINDS[1:]}
     res["greedy_agreement"] = agree
+    print("full-size configs (transformers' defaults), KV bytes per token kept for the whole context:")
+    sizes = full_size_bytes()
+    for name, b in sizes.items():
+        print(f"  {name:18s} bf16 {b['bf16']:9,.0f} B ({b['bf16'] * 2**20 / 2**30:6.2f} GiB per 1M tokens); "
+              f"int8 {b['int8']:9,.0f} B ({b['int8'] * 2**20 / 2**30:6.2f} GiB): {b['bf16'] / b['int8']:.2f}x")
+    res["full_size_bytes_per_token"] = sizes
     print(json.dumps(res))
 
 

@@ -103,14 +103,115 @@ def test_smollm_int8_cache_tokens_do_not_depend_on_chunks_or_prefix_hits(smollm_
     assert sum(a == b for x, y in zip(whole, ref) for a, b in zip(x, y)) >= 0.5 * 64
 
 
-def test_8bit_cache_refused_where_a_layer_cannot_keep_it(tmp_path):
-    """MLA's latent cache is not kept in 8 bits yet: refused with the layer named; an unknown
+def test_8bit_cache_refused_where_a_layer_cannot_keep_it():
+    """A cache layer that cannot keep 8 bits (a plugin's, say) is refused by name; an unknown
     --kv-cache-dtype is a CLI error naming the flag."""
-    from lane.entrypoints.tiny_model import write_tiny_model
+    from lane.kv_cache_interface import FullAttentionSpec
+    from lane.model_executor.layers.attention import CacheLayer, set_kv_cache_dtype
 
-    d = write_tiny_model("deepseek_v3", str(tmp_path / "v3"))
-    with pytest.raises(ValueError, match="MLAAttention"):
-        LLM(d, dtype="float32", kv_cache_dtype="int8", show_progress=False, kv_cache_memory_bytes=8 << 20)
+    class PluginCache(CacheLayer):
+        def kv_cache_specs(self, block_size, dtype, enable_prefix_caching):
+            return {"cache": FullAttentionSpec(block_size, dtype, 1, 8)}
+
+    model = torch.nn.Sequential(PluginCache())
+    with pytest.raises(ValueError, match="PluginCache"):
+        set_kv_cache_dtype(model, "int8")
+    set_kv_cache_dtype(model, "auto")
     r = subprocess.run([sys.executable, "-m", "lane.entrypoints.cli", "generate", "hi", "--kv-cache-dtype", "int4"],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "--kv-cache-dtype" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.fixture(scope="module")
+def tiny_deepseek(tmp_path_factory):
+    from lane.entrypoints.tiny_model import write_tiny_model
+
+    root = tmp_path_factory.mktemp("c8-deepseek")
+    return {arch: write_tiny_model(arch, str(root / arch)) for arch in ("deepseek_v3", "deepseek_v32", "deepseek_v4")}
+
+
+DS_KW = dict(dtype="float32", show_progress=False, kv_cache_memory_bytes=16 << 20, max_model_len=256)
+
+
+@pytest.mark.parametrize("arch,kind", [("deepseek_v3", "int8"), ("deepseek_v32", "int8"), ("deepseek_v4", "int8"),
+                                       ("deepseek_v4", "fp8_e4m3")])
+def test_deepseek_8bit_caches_do_not_depend_on_chunks_or_prefix_hits(tiny_deepseek, arch, kind):
+    """MLA's latent, V3.2's indexer keys and V4's window, entries and indexer keys in 8 bits:
+    16-token chunks, whole prompts and prefix-cache hits give the same greedy tokens."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [{"prompt_token_ids": torch.randint(3, 49152, (n,), generator=g).tolist()} for n in (7, 40, 70)]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = []
+    for chunk in (16, 2048):
+        llm = LLM(tiny_deepseek[arch], kv_cache_dtype=kind, max_num_batched_tokens=chunk, **DS_KW)
+        try:
+            outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)])
+            hits = llm.prefix_cache_stats.hits
+            outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)])
+            assert llm.prefix_cache_stats.hits > hits
+        finally:
+            llm.shutdown()
+    assert outs[0] == outs[1] == outs[2] == outs[3]
+
+
+def _first_sparse_selection(llm, arch: str, ids: list[int]) -> torch.Tensor:
+    """The chosen keys [rows, context] of the first sparse layer for one prompt in one chunk."""
+    from lane.bench.quality import teacher_forced_logits
+
+    model = llm.engine.worker.model
+    got = []
+    if arch == "deepseek_v32":
+        owner, name = model.model.layers[0].self_attn.indexer, "forward"
+        pick = lambda sel: got.extend(m for m in sel.prefill_masks if m is not None)  # noqa: E731
+    else:
+        owner, name = next(layer.attn for layer in model.layers if layer.attn.indexer is not None), "_select"
+        pick = got.append
+    orig = getattr(owner, name)
+
+    def spy(*args, **kwargs):
+        out = orig(*args, **kwargs)
+        pick(out)
+        return out
+    setattr(owner, name, spy)
+    try:
+        teacher_forced_logits(llm, ids, len(ids))
+    finally:
+        setattr(owner, name, orig)
+    return got[0]
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v32", "deepseek_v4"])
+def test_indexer_topk_with_8bit_keys_agrees_with_bf16(tiny_deepseek, arch):
+    """li_c8: the first sparse layer's top-k sets with int8 indexer keys (and the rest of the
+    cache in int8) against bf16's, on rows whose context is at least 4 x index_topk (V3.2: 16
+    tokens' keys of 80; V4: 8 entries of 40, one per 4 tokens): at least 95% of entries shared."""
+    n, topk, rate = (80, 16, 1) if arch == "deepseek_v32" else (160, 8, 4)
+    ids = torch.randint(3, 49152, (n,), generator=torch.Generator().manual_seed(3)).tolist()
+    sel = {}
+    for kind in ("auto", "int8"):
+        llm = LLM(tiny_deepseek[arch], kv_cache_dtype=kind, **dict(DS_KW, dtype="bfloat16"))
+        try:
+            sel[kind] = _first_sparse_selection(llm, arch, ids)
+        finally:
+            llm.shutdown()
+    rows = slice(4 * topk * rate - 1, n)  # the rows that see at least 4 x index_topk keys
+    bf16, int8 = sel["auto"][rows], sel["int8"][rows]
+    assert bool((bf16.sum(-1) == topk).all())
+    assert float((bf16 & int8).sum() / bf16.sum()) >= 0.95
+
+
+def test_dsa_context_parallel_with_8bit_caches_equals_one_rank(tiny_deepseek):
+    """V3.2 over two ranks with sequence and DSA context parallelism, its latent and indexer keys
+    in int8: one rank's int8 tokens."""
+    prompts = [{"prompt_token_ids": list(range(100, 148))}, {"prompt_token_ids": list(range(200, 230))}]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    kw = dict(DS_KW, kv_cache_dtype="int8", max_num_batched_tokens=32)
+    one = LLM(tiny_deepseek["deepseek_v32"], **kw)
+    want = [o.outputs[0].token_ids for o in one.generate(prompts, sp, use_tqdm=False)]
+    one.shutdown()
+    two = LLM(tiny_deepseek["deepseek_v32"], tensor_parallel_size=2, enable_sequence_parallel=True,
+              enable_dsa_cp=True, **kw)
+    try:
+        assert [o.outputs[0].token_ids for o in two.generate(prompts, sp, use_tqdm=False)] == want
+    finally:
+        two.shutdown()

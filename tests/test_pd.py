@@ -28,11 +28,14 @@ def _kv(role: str, path) -> dict:
             "kv_connector_extra_config": {"shared_storage_path": str(path)}}
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_example_connector_decode_equals_one_engine(tiny, tmp_path, arch):
+@pytest.mark.parametrize("arch,kv_cache_dtype", [(a, "auto") for a in ARCHS] + [
+    ("qwen3", "int8"), ("deepseek_v32", "int8"), ("deepseek_v4", "fp8_e4m3")])
+def test_example_connector_decode_equals_one_engine(tiny, tmp_path, arch, kv_cache_dtype):
     """The prefill engine computes each prompt (chunked) and stores its whole blocks before the
     last token; the decode engine loads them and computes (n - 1) % block_size + 1 prompt tokens
-    of each, no more; its greedy tokens equal one engine's. Step 55 is traced on both sides."""
+    of each, no more; its greedy tokens equal one engine's. Step 55 is traced on both sides. The
+    8-bit caches (C8) move with their scales."""
+    KW = dict(globals()["KW"], kv_cache_dtype=kv_cache_dtype)
     ref = LLM(tiny[arch], max_num_batched_tokens=64, **KW)
     want = [o.outputs[0].token_ids for o in ref.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY,
                                                           use_tqdm=False)]
@@ -73,6 +76,8 @@ def test_an_engine_with_another_cache_layout_is_refused_by_name(tiny, tmp_path):
     with pytest.raises(ValueError, match=r"--kv-transfer-config: the KV under .* was written by an engine whose "
                                          r"cache differs from this one's in block_size"):
         LLM(tiny["qwen3"], block_size=32, kv_transfer_config=_kv("kv_consumer", tmp_path), **KW)
+    with pytest.raises(ValueError, match="cache differs from this one's in"):  # an 8-bit cache (C8) is another
+        LLM(tiny["qwen3"], kv_cache_dtype="int8", kv_transfer_config=_kv("kv_consumer", tmp_path), **KW)
 
 
 @pytest.mark.parametrize("value,needle", [

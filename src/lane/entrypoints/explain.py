@@ -62,12 +62,12 @@ def _layer_kinds(model, block_size: int, dtype, caching: bool) -> dict[str, list
     return kinds
 
 
-def _compressed_layout(model, cfg, block_size: int, dtype, caching: bool, lines: list[str]) -> None:
+def _compressed_layout(model, cfg, block_size: int, dtype, caching: bool, lines: list[str], stored: str) -> None:
     """Compressed attention (DeepSeek V4): the cache per layer type, and what prefix
     caching costs (block-edge snapshots)."""
     from lane.kv_cache_interface import FULL, SLIDING_WINDOW, STATE
 
-    lines.append(f"  KV cache per token per layer ({str(dtype).removeprefix('torch.')}), by layer type:")
+    lines.append(f"  KV cache per token per layer ({stored}), by layer type:")
     kept = 0
     for kind, layers in _layer_kinds(model, block_size, dtype, caching).items():
         specs = layers[0]
@@ -91,7 +91,12 @@ def _compressed_layout(model, cfg, block_size: int, dtype, caching: bool, lines:
     per_token = kept / block_size
     lines.append(f"  per token, all {n_layers} layers: {per_token:,.1f} B kept for the whole context (a dense "
                  f"MHA cache of the same width: {dense:,} B, {dense / per_token:.0f}x more); a block of "
-                 f"{block_size} tokens: {kept:,} B")
+                 f"{block_size} tokens: {kept:,} B; {_million(per_token)}")
+
+
+def _million(per_token: float) -> str:
+    """What a million tokens of context keep, the figure long-context deployments are sized by."""
+    return f"1M tokens of context: {per_token * 2**20 / 2**30:,.2f} GiB"
 
 
 def _parallel_layout(mc, tp: int, expert_parallel: bool, block_size: int, budget: int,
@@ -214,19 +219,20 @@ def explain(model: str | None, dtype: str = "auto", block_size: int | None = Non
     set_kv_cache_dtype(model, kv_cache_dtype)
     specs = kv_cache_specs(model, block_size, dtype, enable_prefix_caching)
     groups = group_kv_cache_specs(specs)
+    stored = str(dtype).removeprefix('torch.') if kv_cache_dtype == "auto" else f"{kv_cache_dtype}, C8"
     if choice.name == "compressed":
-        _compressed_layout(model, cfg, block_size, dtype, enable_prefix_caching, lines)
+        _compressed_layout(model, cfg, block_size, dtype, enable_prefix_caching, lines, stored)
     else:
         n_layers = int(getattr(cfg, "num_hidden_layers", 0) or 1)
         per_layer = sum(s.page_size_bytes for s in specs.values()) // block_size // n_layers
         full_kv = _full_kv_bytes(cfg, dtype)
-        stored = str(dtype).removeprefix('torch.') if kv_cache_dtype == "auto" else f"{kv_cache_dtype}, C8"
         lines.append(f"  KV cache per token per layer ({stored}): "
                      f"{_describe(list(specs.values()), cfg)} = {per_layer:,} B")
         if full_kv != per_layer:
             lines.append(f"    (full K/V for every head would take {full_kv:,} B: {full_kv / per_layer:.1f}x more)")
         lines.append(f"  per token, all {n_layers} layers: {per_layer * n_layers:,} B; "
-                     f"a block of {block_size} tokens: {per_layer * n_layers * block_size:,} B")
+                     f"a block of {block_size} tokens: {per_layer * n_layers * block_size:,} B; "
+                     f"{_million(per_layer * n_layers)}")
     sc = SchedulerConfig()
     budget = CacheConfig(block_size, enable_prefix_caching, kv_cache_memory_bytes).budget_bytes()
     kv = get_kv_cache_config(groups, budget, sc.max_num_seqs, sc.max_num_batched_tokens, None)

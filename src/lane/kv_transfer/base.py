@@ -190,7 +190,9 @@ class KVConnectorBase:
 def layout_of(model_config, kv_cache_config: "KVCacheConfig") -> LayoutInfo:
     cfg = model_config.hf_config
     heads = getattr(cfg, "num_key_value_heads", None) or getattr(cfg, "num_attention_heads", 1)
+    # the stored dtypes too: an int8 and an fp8 (C8) cache have the same shapes
+    stored = sorted({str(spec.dtype).removeprefix("torch.") for g in kv_cache_config.groups for spec in g.specs})
     return LayoutInfo((model_config.architectures or ["?"])[0], kv_cache_config.block_size,
-                      str(model_config.dtype).removeprefix("torch."),
+                      "/".join([str(model_config.dtype).removeprefix("torch."), *stored]),
                       {name: tuple(spec.shape) for g in kv_cache_config.groups
                        for name, spec in zip(g.layer_names, g.specs)}, int(heads))

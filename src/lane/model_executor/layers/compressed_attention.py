@@ -16,6 +16,12 @@ window, as online-softmax accumulators (running max, denominator and weighted
 sum per channel) instead of the raw rows: O(head_dim) state, exact up to
 rounding. HCA keeps one accumulator; CSA two, because its entries overlap: entry
 w pools window w-1's first series (Ca) and window w's second (Cb).
+
+C8 (``--kv-cache-dtype int8 / fp8_e4m3``): the window's K=V, the entries and the indexer's
+keys are stored a byte a value, each row with its float32 scale in a tensor of the same group
+(``kv_scale``, ``entry_scale``, ``index_scale``: specs of the same kind, one value wide); the
+rows a step gathers (a window, a request's entries) are dequantized as they are gathered. The
+running state and the snapshots stay float32.
 """
 from __future__ import annotations
 
@@ -27,7 +33,7 @@ import torch.nn as nn
 from lane.attention.metadata import PagedAttentionMetadata, RunningStateMetadata
 from lane.kv_cache_interface import (BlockEdgeStateSpec, CompressedEntrySpec, IndexerKeySpec, KVCacheSpec,
                                      RunningStateSpec, SlidingWindowSpec)
-from lane.model_executor.layers.attention import CacheLayer
+from lane.model_executor.layers.attention import CacheLayer, dequantize_8bit, quantize_rows_8bit
 
 NEG_INF = float("-inf")
 
@@ -136,6 +142,7 @@ class V4AttentionCache(CacheLayer):
     """One V4 layer's cache and running state, and their bookkeeping: where entries and
     keys live, folding rows into the running state, snapshots at block edges. The model
     (``deepseek_v4.py``) supplies the maths: projections, norms, rope, attention."""
+    supports_8bit_cache = True
 
     def __init__(self, layer_type: str, head_dim: int, window: int, rate: int = 0, index_head_dim: int = 0) -> None:
         super().__init__()
@@ -151,6 +158,9 @@ class V4AttentionCache(CacheLayer):
         self.index_snap = torch.empty(0)
         self.state = torch.empty(0)
         self.index_state = torch.empty(0)
+        self.kv_scale = torch.empty(0)  # C8 only
+        self.entry_scale = torch.empty(0)
+        self.index_scale = torch.empty(0)
         # this step's chunks that end in drafts: (state, slot) -> what refolding fewer rows needs
         self._verify: dict[tuple[str, int], tuple] = {}
 
@@ -164,21 +174,44 @@ class V4AttentionCache(CacheLayer):
 
     def kv_cache_specs(self, block_size: int, dtype: torch.dtype,
                        enable_prefix_caching: bool) -> dict[str, KVCacheSpec]:
-        specs: dict[str, KVCacheSpec] = {"kv_cache": SlidingWindowSpec(block_size, dtype, self.head_dim, self.window)}
+        c8 = self.kv_cache_dtype != "auto"
+        store = dtype if not c8 else torch.int8 if self.kv_cache_dtype == "int8" else torch.uint8
+        f32 = torch.float32
+        specs: dict[str, KVCacheSpec] = {"kv_cache": SlidingWindowSpec(block_size, store, self.head_dim, self.window)}
+        if c8:  # each row's scale, in the same group (a spec of the same kind, one value wide)
+            specs["kv_scale"] = SlidingWindowSpec(block_size, f32, 1, self.window)
         if not self.rate:
             return specs
         if block_size % self.rate:
             raise ValueError(f"--block-size {block_size} must be a multiple of every compression rate "
                              f"(this model has {self.rate}); whole windows must fit in a block")
-        specs["entry_cache"] = CompressedEntrySpec(block_size, dtype, self.head_dim, self.rate)
+        specs["entry_cache"] = CompressedEntrySpec(block_size, store, self.head_dim, self.rate)
+        if c8:
+            specs["entry_scale"] = CompressedEntrySpec(block_size, f32, 1, self.rate)
         specs["state"] = RunningStateSpec(block_size, torch.float32, (2, 3, self.head_dim))
         if self.sparse:
-            specs["index_cache"] = IndexerKeySpec(block_size, dtype, self.index_head_dim, self.rate)
+            specs["index_cache"] = IndexerKeySpec(block_size, store, self.index_head_dim, self.rate)
+            if c8:
+                specs["index_scale"] = IndexerKeySpec(block_size, f32, 1, self.rate)
             specs["index_state"] = RunningStateSpec(block_size, torch.float32, (2, 3, self.index_head_dim))
             if enable_prefix_caching:  # what a hit resumes the overlapping windows from
                 specs["entry_snap"] = BlockEdgeStateSpec(block_size, torch.float32, self.head_dim)
                 specs["index_snap"] = BlockEdgeStateSpec(block_size, torch.float32, self.index_head_dim)
         return specs
+
+    # -- rows in and out, in 8 bits under C8 ------------------------------------------
+    def _put(self, cache: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        flat = cache.view(-1, cache.shape[-1])
+        if self.kv_cache_dtype == "auto":
+            flat[slots] = rows.to(cache.dtype)
+        else:
+            flat[slots], scale.view(-1)[slots] = quantize_rows_8bit(rows, self.kv_cache_dtype != "int8")
+
+    def _get(self, cache: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        rows = cache.view(-1, cache.shape[-1])[slots]
+        if self.kv_cache_dtype == "auto":
+            return rows
+        return dequantize_8bit(rows, scale.view(-1)[slots], self.kv_cache_dtype != "int8")
 
     def metadata(self) -> CompressedAttentionMetadata:
         md = CompressedAttentionMetadata(self.attn_metadata("kv_cache"))
@@ -186,8 +219,9 @@ class V4AttentionCache(CacheLayer):
             md.entries, md.state = self.attn_metadata("entry_cache"), self.attn_metadata("state")
         return md
 
-    def _entry_cache(self, which: str) -> torch.Tensor:
-        return self.entry_cache if which == "state" else self.index_cache
+    def _entry_cache(self, which: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the entries' cache, their scales under C8) of "state" or "index_state"."""
+        return (self.entry_cache, self.entry_scale) if which == "state" else (self.index_cache, self.index_scale)
 
     def _snap(self, which: str) -> torch.Tensor:
         return self.entry_snap if which == "state" else self.index_snap
@@ -205,28 +239,25 @@ class V4AttentionCache(CacheLayer):
 
     def write_window(self, kv: torch.Tensor, md: CompressedAttentionMetadata) -> None:
         """Every row's K=V into the window group's pool (step 24)."""
-        self.kv_cache.view(-1, self.head_dim)[md.window.slot_mapping] = kv.to(self.kv_cache.dtype)
+        self._put(self.kv_cache, self.kv_scale, md.window.slot_mapping, kv)
 
     def window_keys(self, window_table: torch.Tensor, first: int, last: int) -> torch.Tensor:
         """Cached K=V of positions first .. last (the window group's table) -> [L, head_dim]"""
-        return self.kv_cache.view(-1, self.head_dim)[self.token_slots(window_table, torch.arange(first, last + 1))]
+        return self._get(self.kv_cache, self.kv_scale, self.token_slots(window_table, torch.arange(first, last + 1)))
 
     def decode_window_keys(self, window_tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """[B, L] positions of each decode's window -> [B, L, head_dim]"""
-        return self.kv_cache.view(-1, self.head_dim)[self.token_slots(window_tables, positions)]
+        return self._get(self.kv_cache, self.kv_scale, self.token_slots(window_tables, positions))
 
     def entries(self, which: str, table: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
         """Entries ("state": the pooled KV, "index_state": the indexer's keys) of windows
         [E] or [B, E] -> [..., C]"""
-        cache = self._entry_cache(which)
-        return cache.view(-1, cache.shape[-1])[self.entry_slots(table, windows)]
+        return self._get(*self._entry_cache(which), self.entry_slots(table, windows))
 
     def write_entries(self, which: str, table: torch.Tensor, windows: torch.Tensor, rows: torch.Tensor) -> None:
         """Entries of windows [E] (one request's table) or [B, 1] (a batch's tables)."""
         if rows.shape[0]:
-            cache = self._entry_cache(which)
-            slots = self.entry_slots(table, windows).reshape(-1)
-            cache.view(-1, cache.shape[-1])[slots] = rows.to(cache.dtype)
+            self._put(*self._entry_cache(which), self.entry_slots(table, windows).reshape(-1), rows)
 
     # -- running state: a prefill chunk ---------------------------------------------
     def fold_prefill(self, which: str, kv: torch.Tensor, gate: torch.Tensor, overlap: bool,

@@ -23,8 +23,8 @@ from lane import tracing
 from lane.distributed.parallel_state import dsa_head_group
 from lane.tracing import Step
 from lane.attention.metadata import PagedAttentionMetadata
-from lane.kv_cache_interface import IndexerKeySpec, KVCacheSpec
-from lane.model_executor.layers.attention import CacheLayer, gather_blocks
+from lane.kv_cache_interface import IndexerKeySpec, KVCacheSpec, KVScaleSpec
+from lane.model_executor.layers.attention import CacheLayer, dequantize_8bit, gather_blocks, quantize_rows_8bit
 from lane.model_executor.layers.context_parallel import RowWindow
 from lane.model_executor.layers.linear import Linear
 from lane.model_executor.layers.parallel_linear import ColumnParallelLinear
@@ -44,6 +44,7 @@ class SparseSelection:
 
 class Indexer(CacheLayer):
     decode_rows_independent = True
+    supports_8bit_cache = True  # C8's li_c8: the keys a byte a value, a scale per token
 
     def __init__(self, hidden_size: int, q_lora_rank: int, n_heads: int, head_dim: int, topk: int,
                  rotary: RotaryEmbedding) -> None:
@@ -64,10 +65,24 @@ class Indexer(CacheLayer):
         self.weights_proj = ColumnParallelLinear(hidden_size, n_heads, bias=False, dtype=torch.float32, tp=self.tp)
         self._rotary = (rotary,)  # shared with the model, not a submodule of this one
         self.k_cache = torch.empty(0)
+        self.k_scale = torch.empty(0)
 
     def kv_cache_specs(self, block_size: int, dtype: torch.dtype,
                        enable_prefix_caching: bool) -> dict[str, KVCacheSpec]:
-        return {"k_cache": IndexerKeySpec(block_size, dtype, self.head_dim)}
+        if self.kv_cache_dtype == "auto":
+            return {"k_cache": IndexerKeySpec(block_size, dtype, self.head_dim)}
+        store = torch.int8 if self.kv_cache_dtype == "int8" else torch.uint8
+        return {"k_cache": IndexerKeySpec(block_size, store, self.head_dim),
+                "k_scale": KVScaleSpec(block_size, torch.float32, 1)}
+
+    def _keys(self, tables: torch.Tensor) -> torch.Tensor:
+        """[..., n] block ids -> the keys of those blocks [..., n * block_size, d] (dequantized from
+        the 8-bit cache under C8: the scores need every key of the context)."""
+        keys = gather_blocks(self.k_cache, tables)[..., 0, :, :]
+        if self.kv_cache_dtype == "auto":
+            return keys
+        scales = gather_blocks(self.k_scale[..., None], tables)[..., 0, :, 0]
+        return dequantize_8bit(keys, scales, self.kv_cache_dtype != "int8")
 
     def forward(self, rope, x: torch.Tensor, q_resid: torch.Tensor, win: RowWindow | None = None
                 ) -> SparseSelection:
@@ -83,12 +98,16 @@ class Indexer(CacheLayer):
         kc = self.k_cache
         if kc.numel():
             bs = kc.shape[2]
-            kc[md.slot_mapping // bs, 0, md.slot_mapping % bs] = k
+            blk, off = md.slot_mapping // bs, md.slot_mapping % bs
+            if self.kv_cache_dtype == "auto":
+                kc[blk, 0, off] = k
+            else:
+                kc[blk, 0, off], self.k_scale[blk, 0, off] = quantize_rows_8bit(k, self.kv_cache_dtype != "int8")
         weights = self.weights_proj(x[lo:hi].float()) * self.head_scale  # [rows, H]
         sel = SparseSelection()
         a, b = min(lo, md.num_decodes), min(hi, md.num_decodes)  # this rank's decode rows
         if b > a and int(md.decode_context_lens[a:b].max()) > self.topk:
-            keys = gather_blocks(kc, md.decode_block_tables[a:b])[:, 0]  # [B, L, D]
+            keys = self._keys(md.decode_block_tables[a:b])  # [B, L, D]
             scores = self._scores(q[a - lo:b - lo], weights[a - lo:b - lo], keys)  # [B, L]
             pad = torch.arange(keys.shape[1])[None, :] >= md.decode_context_lens[a:b].long()[:, None]
             top = scores.masked_fill_(pad, float("-inf")).topk(self.topk, dim=-1)
@@ -100,7 +119,7 @@ class Indexer(CacheLayer):
             if total <= self.topk or a == b:
                 sel.prefill_masks.append(None)
                 continue
-            keys = gather_blocks(kc, span.block_ids)[0, :total] if kc.numel() else k[s:e]
+            keys = self._keys(span.block_ids)[:total] if kc.numel() else k[s:e]
             causal = torch.arange(total)[None, :] <= torch.arange(span.num_computed, total)[a - s:b - s, None]
             scores = torch.cat([self._scores(q[r - lo:r - lo + n], weights[r - lo:r - lo + n], keys)
                                 for r, n in self._row_chunks(a, b, total)])

@@ -19,6 +19,11 @@ tokens it selected; see ``indexer.py``. Under DSA context parallelism a prefill
 step's rows are split over the ranks, each attending its rows with every head
 (``context_parallel.py``): those rows use the absorbed form too, against the
 latent of the tokens they may see, so ``kv_b_proj`` is expanded for no context.
+
+C8 (``--kv-cache-dtype int8 / fp8_e4m3``): the latent entry is stored a byte a value with one
+scale per token (``kv_scale``). Decodes read it through the 8-bit paged kernel; a prefill
+chunk's rows are attended as decode rows in the absorbed form (the kernel over the context, or
+the indexer's chosen tokens only), never through a dequantized copy of the context.
 """
 from __future__ import annotations
 
@@ -29,8 +34,9 @@ from lane import tracing
 from lane.tracing import Step
 from lane.model_executor.layers import cpu_kernels
 from lane.attention.metadata import PagedAttentionMetadata, PrefillSpan
-from lane.kv_cache_interface import KVCacheSpec, MLAAttentionSpec
-from lane.model_executor.layers.attention import CacheLayer, decode_attention_torch, gather_blocks
+from lane.kv_cache_interface import KVCacheSpec, KVScaleSpec, MLAAttentionSpec
+from lane.model_executor.layers.attention import (CacheLayer, attention_8bit_torch, decode_attention_torch,
+                                                  dequantize_8bit, gather_blocks, quantize_rows_8bit)
 from lane.model_executor.layers.context_parallel import RowWindow, mark_context_gathered
 from lane.model_executor.layers.indexer import SparseSelection
 from lane.model_executor.layers.linear import Linear
@@ -38,6 +44,7 @@ from lane.model_executor.layers.linear import Linear
 
 class MLAAttention(CacheLayer):
     decode_rows_independent = True
+    supports_8bit_cache = True
 
     def __init__(self, num_heads: int, kv_lora_rank: int, qk_nope_head_dim: int, qk_rope_head_dim: int,
                  v_head_dim: int, scale: float, kv_b_proj: Linear, head_offset: int = 0) -> None:
@@ -54,10 +61,20 @@ class MLAAttention(CacheLayer):
         self._kv_b_proj = (kv_b_proj,)  # a tuple: owned (and loaded) by the model's attention module
         self._absorbed: tuple[torch.Tensor, torch.Tensor] | None = None
         self.kv_cache = torch.empty(0)
+        self.kv_scale = torch.empty(0)
+
+    @property
+    def c8(self) -> bool:
+        return self.kv_cache_dtype != "auto" and self.kv_cache.numel() > 0
 
     def kv_cache_specs(self, block_size: int, dtype: torch.dtype,
                        enable_prefix_caching: bool) -> dict[str, KVCacheSpec]:
-        return {"kv_cache": MLAAttentionSpec(block_size, dtype, self.kv_lora_rank + self.qk_rope_head_dim)}
+        width = self.kv_lora_rank + self.qk_rope_head_dim
+        if self.kv_cache_dtype == "auto":
+            return {"kv_cache": MLAAttentionSpec(block_size, dtype, width)}
+        store = torch.int8 if self.kv_cache_dtype == "int8" else torch.uint8
+        return {"kv_cache": MLAAttentionSpec(block_size, store, width),
+                "kv_scale": KVScaleSpec(block_size, torch.float32, 1)}
 
     @property
     def kv_b_proj(self) -> Linear:
@@ -84,7 +101,11 @@ class MLAAttention(CacheLayer):
         kc = self.kv_cache
         if kc.numel():  # step 24: latents into their slots
             bs = kc.shape[2]
-            kc[md.slot_mapping // bs, 0, md.slot_mapping % bs] = entry
+            blk, off = md.slot_mapping // bs, md.slot_mapping % bs
+            if self.c8:
+                kc[blk, 0, off], self.kv_scale[blk, 0, off] = quantize_rows_8bit(entry, self.kv_cache_dtype != "int8")
+            else:
+                kc[blk, 0, off] = entry
         mark = tracing.forward_mark()
         mark(Step.OPS_KV_WRITE)
         out = q_nope.new_empty(R, q_nope.shape[1], self.v_head_dim)
@@ -97,15 +118,33 @@ class MLAAttention(CacheLayer):
         for i, span in enumerate(md.prefills):
             s, e = span.query_start, span.query_end
             mask = sparse.prefill_masks[i] if sparse is not None else None
-            if win is None:
+            if win is None and not self.c8:
                 out[s:e] = self._prefill(q_nope[s:e], q_pe[s:e], entry[s:e], span, mask)
                 continue
+            if win is None:
+                out[s:e] = self._prefill_rows_8bit(q_nope[s:e], q_pe[s:e], span, 0, mask)
+                continue
             a, b = win.clip(s, e)
-            if b > a:
+            if b > a and self.c8:
+                out[a - lo:b - lo] = self._prefill_rows_8bit(q_nope[a - lo:b - lo], q_pe[a - lo:b - lo], span,
+                                                             a - s, mask)
+            elif b > a:
                 out[a - lo:b - lo] = self._prefill_rows(q_nope[a - lo:b - lo], q_pe[a - lo:b - lo],
                                                         entry[s:b], span, a - s, mask)
         mark(Step.OPS_ATTENTION)
         return out.view(R, -1)
+
+    def _prefill_rows_8bit(self, q_nope, q_pe, span: PrefillSpan, first: int, sparse_mask) -> torch.Tensor:
+        """C8: rows [first, first + n) of a prefill chunk, each attended as a decode row at its
+        position over the 8-bit latent cache (the indexer's chosen tokens only, with a mask)."""
+        n = q_nope.shape[0]
+        p0 = span.num_computed + first
+        lens = torch.arange(p0 + 1, p0 + n + 1, dtype=torch.int32)
+        topk = None
+        if sparse_mask is not None:  # the chosen positions of each row, as the indexer's decode top-k
+            vals, pos = sparse_mask.float().topk(int(sparse_mask.sum(-1).max()), dim=-1)
+            topk = (pos, vals > 0)
+        return self._decode(q_nope, q_pe, span.block_ids.expand(n, -1), lens, topk)
 
     def _prefill_rows(self, q_nope, q_pe, entry, span: PrefillSpan, first: int, sparse_mask) -> torch.Tensor:
         """Rows [first, first + n) of prefill chunk ``span``, every head, in the absorbed form
@@ -164,9 +203,15 @@ class MLAAttention(CacheLayer):
             pos, valid = topk
             blocks = tables.gather(1, pos // bs)
             sel = kc[blocks, 0, pos % bs]  # [B, k, latent + rope]: only the chosen tokens
+            if self.c8:
+                sel = dequantize_8bit(sel, self.kv_scale[blocks, 0, pos % bs], self.kv_cache_dtype != "int8").to(q.dtype)
             s = torch.bmm(q, sel.transpose(1, 2)).float() * self.scale  # [B, H, k]
             s.masked_fill_(~valid[:, None, :], float("-inf"))
             o_lat = torch.bmm(torch.softmax(s, dim=-1).to(q.dtype), sel[..., :self.kv_lora_rank])
+        elif self.c8:  # the same over the 8-bit cache, each row dequantized as the kernel reads it
+            ks, fp8 = self.kv_scale, self.kv_cache_dtype != "int8"
+            attend = cpu_kernels.decode_attention_8bit if cpu_kernels.usable(q) else attention_8bit_torch
+            o_lat = attend(q, kc, kc, ks, ks, tables, context_lens, self.scale, fp8)[..., :self.kv_lora_rank]
         else:  # MQA over the cache as it is: K = the whole entry, V = its latent part
             args = (q, kc, kc, tables, context_lens, self.scale)
             o = cpu_kernels.decode_attention(*args) if cpu_kernels.usable(q) else decode_attention_torch(*args)
