@@ -89,7 +89,8 @@ class DsaNearTies:
     def __init__(self, model, rel_tol: float = 1e-4) -> None:
         self.rel_tol = rel_tol
         self.ties: set[tuple[int, int]] = set()  # (layer, query position)
-        self._indexers = [m for m in model.modules() if type(m).__name__ == "DeepseekV32Indexer"]
+        self._indexers = [m for m in model.modules()
+                          if type(m).__name__ in ("DeepseekV32Indexer", "GlmMoeDsaIndexer")]
         self._last_layer = max((ix.layer_idx for ix in self._indexers), default=-1)
 
     def __enter__(self) -> "DsaNearTies":

@@ -19,6 +19,8 @@ CASES = {  # name -> (tiny-model arch, config overrides)
                                             first_k_dense_replace=2, n_group=4, topk_group=2, num_experts_per_tok=3)),
     "v3-no-interleave": ("deepseek_v3", dict(rope_interleave=False)),
     "v32": ("deepseek_v32", {}),
+    # GLM-5: interleaved indexer rope, layer 1 reusing layer 0's top-k
+    "glm": ("glm_moe_dsa", {}),
 }
 
 
@@ -52,7 +54,7 @@ def test_logits_match_transformers(case, tiny):
     assert_logprobs_match_hf(llm, hf, _prompts((5, 17, 40, 70)), 12, case)
 
 
-@pytest.mark.parametrize("case", ["v3", "v32"])
+@pytest.mark.parametrize("case", ["v3", "v32", "glm"])
 def test_engine_greedy_equals_transformers(case, tiny):
     """Paged latent cache, chunked prefill (32-token budget), prefix-cache hits and a
     batch of mixed lengths: 32 greedy tokens each, equal to transformers' own

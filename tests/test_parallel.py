@@ -35,7 +35,7 @@ def _tokens(llm: LLM) -> list[list[int]]:
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny-parallel")
     return {arch: write_tiny_model(arch, str(root / arch)) for arch in
-            ("llama", "qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v32", "deepseek_v4")}
+            ("llama", "qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v32", "glm_moe_dsa", "deepseek_v4")}
 
 
 def _engine_kw(arch: str) -> dict:
@@ -48,7 +48,8 @@ def _engine_kw(arch: str) -> dict:
                                            ("qwen3", False, False, False), ("qwen3", False, True, False),
                                            ("qwen3_moe", False, False, False), ("qwen3_moe", True, True, False),
                                            ("deepseek_v3", False, False, False), ("deepseek_v3", True, True, False),
-                                           ("deepseek_v32", False, True, True), ("deepseek_v4", False, False, False),
+                                           ("deepseek_v32", False, True, True), ("glm_moe_dsa", True, True, True),
+                                           ("deepseek_v4", False, False, False),
                                            ("deepseek_v4", True, True, True)])
 def test_two_ranks_equal_one(tiny, arch, ep, sp, cp):
     """TP=2 (or EP=2: whole experts per rank; or SP: each rank holds only its rows between

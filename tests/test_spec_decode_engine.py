@@ -93,7 +93,7 @@ def _tiny(path, spec=None, **kw):
     return LLM(path, **{**args, **kw})
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v32", "deepseek_v4"])
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v32", "glm_moe_dsa", "deepseek_v4"])
 def test_mtp_greedy_output_unchanged(tiny, arch):
     """MTP k = 1 and 2 (k > layers: the layer runs again on its own output), 16-token
     prefill chunks, then the prompts again from the prefix cache."""
@@ -450,3 +450,57 @@ def test_mtp_request_reaching_max_model_len_in_the_least_pool(tiny):
     out = done[0].outputs[0]
     assert len(out.token_ids) == 54 and out.finish_reason == "length" and out.token_ids == base.token_ids
     assert llm.engine.scheduler.num_preemptions == 0
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v4"])
+def test_mtp_draft_checkpoint_drafts_as_the_targets_own_layers(tmp_path, arch):
+    """The MTP layers split off into a draft checkpoint (DeepSeekMTPModel / DeepSeekV4MTPModel,
+    the target keeping none) and named in --speculative-config: the same drafts, acceptances
+    and tokens as the target's own MTP layers, and the tokens of no speculation."""
+    from lane.entrypoints.tiny_model import split_mtp_draft
+
+    whole = write_tiny_model(arch, str(tmp_path / "whole"))
+    target = write_tiny_model(arch, str(tmp_path / "target"))
+    draft = split_mtp_draft(target, str(tmp_path / "draft"))
+    prompts = [{"prompt_token_ids": p} for p in _prompts((9, 40, 70))]
+
+    def run(path, spec=None):
+        llm = _tiny(path, spec, max_num_batched_tokens=16)
+        try:
+            out = _ids(llm.generate(prompts, GREEDY, use_tqdm=False))
+            s = llm.engine.scheduler.make_stats().spec_decoding if spec else None
+            return out, s and (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens)
+        finally:
+            llm.shutdown()
+
+    own = run(whole, {"method": "mtp", "num_speculative_tokens": 2})
+    drafted = run(target, {"method": "mtp", "num_speculative_tokens": 2, "model": draft})
+    assert drafted == own and own[1][0] > 0
+    assert run(target)[0] == own[0]
+
+
+def test_draft_checkpoints_and_known_architectures_are_refused_by_name(tiny, tmp_path):
+    """A draft checkpoint served as a model, a draft for another target, 'model' with n-gram
+    drafting, and the seed's Qwen3DSparkModel (known, no reference) are refused with the reason;
+    lane explain says what each is."""
+    import json
+
+    from lane.entrypoints.explain import explain
+    from lane.entrypoints.tiny_model import split_mtp_draft
+
+    v4 = write_tiny_model("deepseek_v4", str(tmp_path / "v4"))
+    v4_draft = split_mtp_draft(v4, str(tmp_path / "v4-draft"))
+    with pytest.raises(ValueError, match="DeepSeekV4MTPModel is a draft model"):
+        _tiny(v4_draft)
+    assert "a draft checkpoint (MTP layers) for DeepseekV4ForCausalLM" in explain(v4_draft)
+    with pytest.raises(ValueError, match=r"do not draft for DeepseekV3ForCausalLM"):
+        _tiny(tiny("deepseek_v3"), {"method": "mtp", "model": v4_draft})
+    with pytest.raises(ValueError, match="'model' names an MTP draft checkpoint"):
+        _tiny(tiny("deepseek_v3"), {"method": "ngram", "num_speculative_tokens": 2, "model": v4_draft})
+    dspark = tmp_path / "dspark"
+    dspark.mkdir()
+    cfg = json.loads((tmp_path / "v4" / "config.json").read_text())
+    (dspark / "config.json").write_text(json.dumps({**cfg, "architectures": ["Qwen3DSparkModel"]}))
+    with pytest.raises(ValueError, match="Qwen3DSparkModel is known and not supported: .*no public reference"):
+        _tiny(str(dspark))
+    assert "Qwen3DSparkModel is known (the seed's registry lists it) and refused" in explain(str(dspark))

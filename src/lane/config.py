@@ -324,7 +324,7 @@ class ParallelConfig:
 
 
 SPECULATIVE_METHODS = ("ngram", "mtp")
-_SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+_SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
 
 
 @dataclass
@@ -335,10 +335,14 @@ class SpeculativeConfig:
     num_speculative_tokens: int | None = None  # MTP: the model's MTP depth when not given
     prompt_lookup_min: int | None = None  # n-gram: both 5 when neither is given (vLLM's default)
     prompt_lookup_max: int | None = None
+    model: str | None = None  # MTP: a draft checkpoint of the MTP layers (else the target's own)
 
     def __post_init__(self) -> None:
         if self.method == "deepseek_mtp":  # vLLM's older name
             self.method = "mtp"
+        if self.model is not None and self.method != "mtp":
+            raise ValueError("--speculative-config: 'model' names an MTP draft checkpoint; method "
+                             f"{self.method!r} drafts from the prompt")
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"--speculative-config method {self.method!r} is not one of "
                              f"{', '.join(SPECULATIVE_METHODS)}")
@@ -364,15 +368,43 @@ class SpeculativeConfig:
                                       '{"method": "ngram", "num_speculative_tokens": 3}', required="method"))
 
     def check_model(self, hf_config, architecture: str) -> None:
-        """Refuse a method the model cannot serve, by name; fill in MTP's default depth."""
+        """Refuse a method the model cannot serve, by name; fill in MTP's default depth. A draft
+        checkpoint (``model``) must draft for this architecture, at its width; its MTP depth
+        becomes the target's (the target builds that many MTP layers, which it then loads)."""
         if self.method != "mtp":
             return
+        if self.model is not None:
+            hf_config.num_nextn_predict_layers = self._draft_depth(hf_config, architecture)
         n = getattr(hf_config, "num_nextn_predict_layers", 0) or 0
         if not n:
             raise ValueError(f"--speculative-config method 'mtp' needs a model with MTP layers: {architecture} "
                              f"has num_nextn_predict_layers=0 (use method 'ngram')")
         if self.num_speculative_tokens is None:
             self.num_speculative_tokens = n
+
+    def _draft_depth(self, target, architecture: str) -> int:
+        path = os.path.join(self.model, "config.json")
+        if not os.path.isfile(path):
+            raise ValueError(f"--speculative-config model {self.model!r}: no config.json there (an MTP draft "
+                             f"checkpoint directory: config.json and *.safetensors)")
+        with open(path) as f:
+            draft = json.load(f)
+        archs = draft.get("architectures") or []
+        from lane.registry import ModelRegistry
+
+        draft_of = {a for arch in archs if ModelRegistry.get_entry(arch)
+                    for a in getattr(ModelRegistry.model_class(arch), "draft_of", ())}
+        if architecture not in draft_of and architecture not in archs:
+            raise ValueError(f"--speculative-config model {self.model!r}: its architectures {archs} do not draft "
+                             f"for {architecture}")
+        for key in ("hidden_size", "vocab_size", "num_hidden_layers"):
+            if draft.get(key) != getattr(target, key, None):
+                raise ValueError(f"--speculative-config model {self.model!r}: {key} {draft.get(key)} differs from "
+                                 f"the target's {getattr(target, key, None)}")
+        n = int(draft.get("num_nextn_predict_layers") or 0)
+        if n < 1:
+            raise ValueError(f"--speculative-config model {self.model!r}: num_nextn_predict_layers is {n}")
+        return n
 
     @property
     def num_lookahead_slots(self) -> int:
@@ -456,6 +488,9 @@ class EngineConfig:
     engine_args: "EngineArgs | None" = None  # what made it: worker processes make theirs from it
 
     def __post_init__(self) -> None:
+        from lane.registry import ModelRegistry
+
+        ModelRegistry.check_servable(self.model_config.architectures or [])  # a draft, a known refusal
         self.scheduler_config.max_model_len = self.model_config.max_model_len
         self.parallel_config.check_model(self.model_config.hf_config)
         if self.speculative_config is not None:

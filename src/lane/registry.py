@@ -18,6 +18,12 @@ from lane import plugins
 logger = logging.getLogger(__name__)
 
 
+def KNOWN_UNSUPPORTED() -> dict[str, str]:  # noqa: N802 (the models table, imported lazily)
+    from lane.model_executor.models import KNOWN_UNSUPPORTED as known
+
+    return known
+
+
 @dataclass
 class RegistryEntry:
     target: str | type  # "module:Class" or an nn.Module subclass
@@ -89,13 +95,34 @@ class _ModelRegistry:
         archs = [architectures] if isinstance(architectures, str) else list(architectures or [])
         for arch in archs:
             if arch in self._entries:
-                return self._load(arch), arch
+                cls = self._load(arch)
+                if getattr(cls, "draft_of", None):  # a draft checkpoint (MTP layers alone), not a model
+                    from lane.model_executor.models.deepseek_mtp import refusal
+
+                    raise ValueError(refusal(arch, cls.draft_of))
+                return cls, arch
+        for arch in archs:
+            if arch in KNOWN_UNSUPPORTED():
+                raise ValueError(f"Model architecture {arch} is known and not supported: {KNOWN_UNSUPPORTED()[arch]}")
         raise ValueError(
             f"Model architectures {archs} are not supported. Registered architectures: "
             f"{', '.join(self.get_supported_archs())}. A plugin can add one with "
             f"ModelRegistry.register_model(name, 'pkg.module:Class') from a "
             f"'{plugins.GENERAL_PLUGINS_GROUP}' entry point."
         )
+
+    def check_servable(self, architectures: list[str]) -> None:
+        """Refuse, before anything loads, a draft checkpoint served as a model or an architecture
+        lane knows and does not implement (unregistered ones are refused when the model loads)."""
+        self._ensure_builtins()
+        registered = [a for a in architectures if a in self._entries]
+        if registered or any(a in KNOWN_UNSUPPORTED() for a in architectures):
+            self.resolve_model_cls(registered[:1] or architectures)
+
+    def model_class(self, arch: str) -> type:
+        """The class registered for ``arch`` (imported now)."""
+        self._ensure_builtins()
+        return self._load(arch)
 
     def _load(self, arch: str) -> type:
         if arch not in self._classes:

@@ -395,7 +395,8 @@ def main(argv: list[str] | None = None) -> int:
     add_eplb_args(ex)
 
     tm = sub.add_parser("tiny-model", help="write a small random checkpoint of an architecture (SmolLM2's tokenizer)")
-    tm.add_argument("arch", choices=["llama", "qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v32", "deepseek_v4"])
+    tm.add_argument("arch", choices=["llama", "qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v32", "glm_moe_dsa",
+                                    "deepseek_v4"])
     tm.add_argument("out_dir")
     tm.add_argument("--seed", type=int, default=0)
     tm.add_argument("--fp8", action="store_true",
@@ -403,6 +404,9 @@ def main(argv: list[str] | None = None) -> int:
     tm.add_argument("--shape", default=None, choices=["llama-3.2-1b", "llama-3.2-3b"],
                     help="llama only: a full-size random Llama of this Llama-3.2 shape (SmolLM2's vocabulary), "
                          "in bf16, written one tensor at a time")
+    tm.add_argument("--mtp-draft", default=None, metavar="DIR",
+                    help="DeepSeek only: write the MTP layers as a separate draft checkpoint here (DeepSeekMTPModel / "
+                         "DeepSeekV4MTPModel), for --speculative-config '{\"method\": \"mtp\", \"model\": DIR}'")
     sub.add_parser("build-kernels", help="compile the CPU kernels for this CPU now (the install's last step), "
                                          "so the first `lane serve` finds them cached")
     args = parser.parse_args(argv)
@@ -426,6 +430,10 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             print(f"wrote {write_tiny_model(args.arch, args.out_dir, args.seed, fp8=args.fp8, shape=args.shape)}")
+            if args.mtp_draft:
+                from lane.entrypoints.tiny_model import split_mtp_draft
+
+                print(f"wrote the MTP draft {split_mtp_draft(args.out_dir, args.mtp_draft)} (the target keeps none)")
         except ValueError as e:
             tm.error(str(e))
         return 0

@@ -172,7 +172,13 @@ def explain(model: str | None, dtype: str = "auto", block_size: int | None = Non
     else:
         lines.append(f"  architectures: {', '.join(archs)}")
         entry = next(((a, ModelRegistry.get_entry(a)) for a in archs if ModelRegistry.get_entry(a)), None)
-        if entry is None:
+        from lane.model_executor.models import KNOWN_UNSUPPORTED
+
+        known = next((a for a in archs if a in KNOWN_UNSUPPORTED), None)
+        if entry is None and known:
+            lines.append(f"  registered: no. {known} is known (the seed's registry lists it) and refused: "
+                         f"{KNOWN_UNSUPPORTED[known]}")
+        elif entry is None:
             lines.append(f"  registered: no. lane has no implementation for {archs[0]}; registered: "
                          f"{', '.join(ModelRegistry.get_supported_archs())}")
             lines.append(f"  a plugin can add one: ModelRegistry.register_model({archs[0]!r}, 'pkg.module:Class') "
@@ -183,6 +189,11 @@ def explain(model: str | None, dtype: str = "auto", block_size: int | None = Non
             lines.append(f"  implementation: {e.class_path}")
             for old in e.overrode:
                 lines.append(f"  it overrode: {old.class_path} (from {old.source})")
+            draft_of = getattr(ModelRegistry.model_class(arch), "draft_of", None)
+            if draft_of:  # MTP layers alone: no model to lay out
+                lines.append(f"  a draft checkpoint (MTP layers) for {' / '.join(draft_of)}: serve the target with "
+                             f"--speculative-config '{{\"method\": \"mtp\", \"model\": \"{mc.model_dir}\"}}'")
+                return "\n".join(lines)
     qc = getattr(cfg, "quantization_config", None)
     if qc:
         qc = qc if isinstance(qc, dict) else qc.to_dict()

@@ -45,6 +45,10 @@ TINY = {  # name -> (transformers config class, model class, config fields)
     # compare around them (tests/conftest.py DsaNearTies)
     "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM",
                      dict(DEEPSEEK, index_topk=16, index_n_heads=16, index_head_dim=32)),
+    # GLM-5: V3.2 with an interleaved indexer rope; layer 1 reuses layer 0's top-k
+    "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM",
+                    dict(DEEPSEEK, index_topk=16, index_n_heads=16, index_head_dim=32,
+                         indexer_types=["full", "shared", "full"])),
 }
 # DEEPSEEK_V4.md §6: every layer type (SWA, CSA rate 4 with a top-8 indexer, HCA rate 16),
 # hash and learned MoE, mHC with 4 streams; both ropes (yarn "compress")
@@ -211,7 +215,7 @@ def write_tiny_model(arch: str, out_dir: str, seed: int = 0, fp8: bool = False, 
     torch.manual_seed(seed)
     config = getattr(transformers, cfg_name)(**{**COMMON, **fields, **overrides}, architectures=[model_name])
     model = getattr(transformers, model_name)(config).eval()
-    deepseek = arch in ("deepseek_v3", "deepseek_v32")  # V3-style extras: routing bias, MTP file
+    deepseek = arch in ("deepseek_v3", "deepseek_v32", "glm_moe_dsa")  # V3-style extras: routing bias, MTP file
     if arch == "deepseek_v4":
         _v4_nonzero(model, seed)
     with torch.no_grad():
@@ -244,6 +248,30 @@ def write_tiny_model(arch: str, out_dir: str, seed: int = 0, fp8: bool = False, 
             save_file(quantize_checkpoint(tensors, FP8_BLOCK), main, metadata={"format": "pt"})
             _add_fp8_config(out_dir)
     return out_dir
+
+
+DRAFT_ARCH = {"DeepseekV3ForCausalLM": "DeepSeekMTPModel", "DeepseekV32ForCausalLM": "DeepSeekMTPModel",
+              "GlmMoeDsaForCausalLM": "DeepSeekMTPModel", "DeepseekV4ForCausalLM": "DeepSeekV4MTPModel"}
+
+
+def split_mtp_draft(model_dir: str, draft_dir: str) -> str:
+    """Move a tiny DeepSeek checkpoint's MTP layers (``model-mtp.safetensors``) into a draft
+    checkpoint of their own (config.json naming the draft architecture, the target's sizes);
+    the target keeps no MTP layer (num_nextn_predict_layers 0)."""
+    import shutil
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = json.load(f)
+    arch = cfg["architectures"][0]
+    if arch not in DRAFT_ARCH or not os.path.exists(os.path.join(model_dir, "model-mtp.safetensors")):
+        raise ValueError(f"--mtp-draft: {arch} has no MTP layers to split off")
+    os.makedirs(draft_dir, exist_ok=True)
+    shutil.move(os.path.join(model_dir, "model-mtp.safetensors"), os.path.join(draft_dir, "model.safetensors"))
+    with open(os.path.join(draft_dir, "config.json"), "w") as f:
+        json.dump({**cfg, "architectures": [DRAFT_ARCH[arch]]}, f, indent=2)
+    with open(os.path.join(model_dir, "config.json"), "w") as f:
+        json.dump({**cfg, "num_nextn_predict_layers": 0}, f, indent=2)
+    return draft_dir
 
 
 def _add_fp8_config(out_dir: str) -> None:

@@ -56,7 +56,9 @@ class Worker:
 
         set_expert_placement(ExpertPlacement(pc.enable_eplb, pc.eplb_config.num_redundant_experts if pc.enable_eplb
                                              else 0))
-        self.model = get_model(mc, config.load_threads, config.show_progress and rank == 0)  # step 4
+        spec = config.speculative_config
+        self.model = get_model(mc, config.load_threads, config.show_progress and rank == 0,  # step 4
+                               draft_dir=spec.model if spec is not None else None)
         self.eplb = self._init_eplb(pc, mc.hf_config) if pc.enable_eplb else None
         if on_cpu:
             cpu_kernels.build()

@@ -42,6 +42,12 @@ class SparseSelection:
     # (the rows are those attended: all, or under DSA context parallelism this rank's)
 
 
+class SharedTopk:
+    """GLM-5's cross-layer top-k sharing (``indexer_types``): a "full" layer's indexer choice,
+    which the "shared" layers after it attend with, within one forward (they have no indexer)."""
+    selection: SparseSelection | None = None
+
+
 class Indexer(CacheLayer):
     decode_rows_independent = True
     supports_8bit_cache = True  # C8's li_c8: the keys a byte a value, a scale per token

@@ -106,7 +106,10 @@ def _kinds(c: Counter) -> str:
     return ", ".join(f"{k} x{n}" for k, n in sorted(c.items()))
 
 
-def get_model(model_config: ModelConfig, load_threads: int = 4, progress: bool = True) -> nn.Module:
+def get_model(model_config: ModelConfig, load_threads: int = 4, progress: bool = True,
+              draft_dir: str | None = None) -> nn.Module:
+    """Build the model its config names and load its weights (step 4); ``draft_dir``: an MTP draft
+    checkpoint whose tensors go into the model's MTP layers, under the model's own names."""
     t_resolve = time.monotonic()
     model_cls, arch = ModelRegistry.resolve_model_cls(model_config.hf_config.architectures)
     if tracer.enabled:  # step 3
@@ -147,6 +150,12 @@ def get_model(model_config: ModelConfig, load_threads: int = 4, progress: bool =
             # over several ranks, each reads only its slices
             load_safetensors(files, fp8, load_threads, on_tensor=bar.update, lazy=get_tp_group().world_size > 1,
                              counter=counter)
+        if draft_dir is not None:  # the draft's MTP layers, read as more of the same checkpoint
+            draft = safetensors_files(draft_dir)
+            with tqdm(total=count_tensors(draft), desc=f"Loading the MTP draft {os.path.basename(draft_dir)}",
+                      disable=not progress, unit="tensor") as bar:
+                load_safetensors(draft, fp8, load_threads, on_tensor=bar.update, counter=counter)
+            files = files + draft
         fp8.finish()
         checkpoint = sum(os.path.getsize(f) for f in files)
         model.checkpoint_bytes_read = (counter.bytes, checkpoint)

@@ -11,7 +11,10 @@
   every head's rope] so both parts are plain views.
 - FFN: the first ``first_k_dense_replace`` layers are a dense MLP, the rest
   routed experts (``layers/fused_moe.py``) plus shared experts.
-- V3.2 adds the lightning indexer (``layers/indexer.py``) to every layer.
+- V3.2 adds the lightning indexer (``layers/indexer.py``) to every layer; GLM-5
+  (``GlmMoeDsaForCausalLM``) rotates its indexer's rope as interleaved pairs (reordered at
+  load, like the main attention's) and its "shared" layers (``indexer_types``) reuse the
+  previous "full" layer's top-k instead of running an indexer.
 - The MTP layer (``num_nextn_predict_layers``, checkpoint layer index
   ``num_hidden_layers``) is loaded into ``self.mtp`` for speculative decoding.
 """
@@ -32,7 +35,7 @@ from lane.tracing import Step
 from lane.model_executor.layers.context_parallel import heads_to_rows, row_window, rows_to_heads
 from lane.model_executor.layers.fused_moe import (FusedMoE, combine_routed, grouped_topk, load_expert_weight,
                                                   share_rows)
-from lane.model_executor.layers.indexer import Indexer
+from lane.model_executor.layers.indexer import Indexer, SharedTopk
 from lane.model_executor.layers.layernorm import RMSNorm
 from lane.model_executor.layers.linear import Linear
 from lane.model_executor.layers.parallel_linear import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
@@ -61,7 +64,10 @@ def mla_softmax_scale(config) -> float:
 
 
 class DeepseekV2MLAAttention(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding, use_indexer: bool) -> None:
+    def __init__(self, config, rotary: RotaryEmbedding, use_indexer: bool, shared: SharedTopk | None = None,
+                 reuse_topk: bool = False) -> None:
+        """``use_indexer``: a sparse (DSA) layer; ``reuse_topk``: it attends the top-k that the
+        last layer with an indexer left in ``shared`` (GLM-5), instead of running its own."""
         super().__init__()
         tp = get_tp_group()
         H_all = config.num_attention_heads
@@ -94,7 +100,19 @@ class DeepseekV2MLAAttention(nn.Module):
                              self.v_head_dim, mla_softmax_scale(config), self.kv_b_proj,
                              head_offset=H * tp.rank_in_group if self.context_parallel else 0)
         self.indexer = (Indexer(hidden, self.q_lora_rank, config.index_n_heads, config.index_head_dim,
-                                config.index_topk, rotary) if use_indexer else None)
+                                config.index_topk, rotary) if use_indexer and not reuse_topk else None)
+        self.reuse_topk = reuse_topk
+        self._shared = (shared,)  # not a submodule: one object the model's layers share
+
+    def _select(self, rope, x, q_resid, win=None):
+        """This layer's top-k: its indexer's (left for the layers that reuse it), or the last one's."""
+        shared = self._shared[0]
+        if self.indexer is None:
+            return shared.selection if self.reuse_topk else None
+        sel = self.indexer(rope, x, q_resid, win)  # mark 25
+        if shared is not None:
+            shared.selection = sel
+        return sel
 
     def forward(self, rope, x: torch.Tensor) -> torch.Tensor:
         T, H = x.shape[0], self.num_heads
@@ -115,11 +133,10 @@ class DeepseekV2MLAAttention(nn.Module):
         k_pe = k_pe.view(T, self.rope_dim)
         win = row_window(T, bool(self.attn.attn_metadata("kv_cache").prefills)) if self.context_parallel else None
         if win is None:
-            sparse = self.indexer(rope, x, q_resid) if self.indexer is not None else None  # mark 25
-            out = self.attn(q_nope, q_pe, latent, k_pe, sparse)  # marks 24, 27
+            out = self.attn(q_nope, q_pe, latent, k_pe, self._select(rope, x, q_resid))  # marks 24, 25, 27
         else:  # DSA context parallelism: this rank's rows with every head (marks 26)
             q = heads_to_rows(torch.cat((q_nope, q_pe), dim=-1), win)
-            sparse = self.indexer(rope, x, q_resid, win)
+            sparse = self._select(rope, x, q_resid, win)
             out = self.attn(q[..., :self.nope], q[..., self.nope:], latent, k_pe, sparse, win)
             out = rows_to_heads(out.view(q.shape[0], -1, self.v_head_dim), win).reshape(T, -1)
         out = self.o_proj(out)
@@ -177,10 +194,13 @@ def is_moe_layer(config, layer_idx: int) -> bool:
 
 
 class DeepseekV2DecoderLayer(LlamaDecoderLayer):
-    def __init__(self, config, rotary: RotaryEmbedding, layer_idx: int) -> None:
+    def __init__(self, config, rotary: RotaryEmbedding, layer_idx: int, shared: SharedTopk | None = None) -> None:
         nn.Module.__init__(self)
-        # V3.2: every layer has a lightning indexer
-        self.self_attn = DeepseekV2MLAAttention(config, rotary, bool(getattr(config, "index_topk", None)))
+        # V3.2: every layer has a lightning indexer; GLM-5: "shared" layers reuse the last one's top-k
+        types = getattr(config, "indexer_types", None) or []
+        reuse = layer_idx < len(types) and types[layer_idx] == "shared"
+        self.self_attn = DeepseekV2MLAAttention(config, rotary, bool(getattr(config, "index_topk", None)), shared,
+                                                reuse)
         self.mlp = (DeepseekV2MoE(config) if is_moe_layer(config, layer_idx)
                     else LlamaMLP(config.hidden_size, config.intermediate_size, False))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -214,14 +234,19 @@ class DeepseekV2Model(LlamaModel):
         nn.Module.__init__(self)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.rotary = RotaryEmbedding(config, config.qk_rope_head_dim, max_position)
-        self.layers = nn.ModuleList(DeepseekV2DecoderLayer(config, self.rotary, i)
+        self.shared_topk = SharedTopk()
+        self.layers = nn.ModuleList(DeepseekV2DecoderLayer(config, self.rotary, i, self.shared_topk)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+_INDEXER_ROPE_ROWS = (".wq_b.weight", ".wk.weight", ".k_norm.weight", ".k_norm.bias")
 
 
 class DeepseekV3ForCausalLM(LlamaForCausalLM):
     model_cls = DeepseekV2Model
     rope_interleave_always = False
+    indexer_rope_interleaved = False
 
     def __init__(self, config, max_position: int | None = None) -> None:
         super().__init__(config, max_position)
@@ -280,6 +305,8 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
                     rows, offset = module.shard(rows, part)
                     module.weight.narrow(0, offset, rows.shape[0]).copy_(rows)
             return name
+        if self.indexer_rope_interleaved and ".indexer." in name and name.endswith(_INDEXER_ROPE_ROWS):
+            tensor = self._indexer_rope_rows(materialize(tensor), name)
         if ".kv_a_proj_with_mqa." in name:
             tensor = materialize(tensor)
             tensor = torch.cat((tensor[:self.config.kv_lora_rank],
@@ -301,6 +328,16 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         if m.group(2) == "embed_tokens.weight":  # a copy of the main embedding
             return None
         return f"mtp.{i}.{m.group(2)}"
+
+    def _indexer_rope_rows(self, w: torch.Tensor, name: str) -> torch.Tensor:
+        """GLM-5's indexer rotates interleaved pairs on each head's first qk_rope_head_dim
+        channels: those rows (of wq_b per head, of wk, and of k_norm, which acts per channel
+        before the rope) reordered evens then odds, for the half-split rope; dot products equal."""
+        r = self.config.qk_rope_head_dim
+        heads = self.config.index_n_heads if name.endswith(".wq_b.weight") else 1
+        w = w.reshape(heads, -1, *w.shape[1:]).clone()
+        w[:, :r] = torch.cat((w[:, 0:r:2], w[:, 1:r:2]), dim=1)
+        return w.reshape(-1, *w.shape[2:])
 
     def _deinterleave(self, rows: torch.Tensor) -> torch.Tensor:
         """Interleaved rope rows (x0, x1), (x2, x3), ... -> evens then odds."""
@@ -325,3 +362,9 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
 class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
     """V3.2 = V3 + the lightning indexer in every layer (chosen by ``index_topk``)."""
     rope_interleave_always = True  # its main attention always rotates interleaved pairs
+
+
+class GlmMoeDsaForCausalLM(DeepseekV32ForCausalLM):
+    """GLM-5: V3.2's layers, its indexer's rope interleaved, "shared" layers reusing the last
+    "full" layer's top-k (``indexer_types``). Its MTP layer is V3's (transformers has none)."""
+    indexer_rope_interleaved = True
