@@ -371,6 +371,9 @@ class SpeculativeConfig:
         """Refuse a method the model cannot serve, by name; fill in MTP's default depth. A draft
         checkpoint (``model``) must draft for this architecture, at its width; its MTP depth
         becomes the target's (the target builds that many MTP layers, which it then loads)."""
+        if "linear_attention" in (getattr(hf_config, "layer_types", None) or []):
+            raise ValueError(f"--speculative-config: {architecture}'s delta-rule state cannot step back from "
+                             f"rejected drafts yet; serve it without speculation")
         if self.method != "mtp":
             return
         if self.model is not None:

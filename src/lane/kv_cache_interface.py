@@ -128,9 +128,12 @@ class SlidingWindowSpec(KVCacheSpec):
 
 @dataclass(frozen=True)
 class RunningStateSpec(KVCacheSpec):
-    """Per-request running state (compressed attention's pending window), one slot per
-    running request."""
+    """Per-request running state (compressed attention's pending window, a linear-attention
+    layer's recurrent and convolution state), one slot per running request. ``prefix_hits``:
+    whether a prefix-cache hit can rebuild it (V4's from block-edge snapshots); a state that
+    cannot (Kimi's delta rule) makes its model compute every prompt from its start."""
     state_shape: tuple[int, ...] = ()
+    prefix_hits: bool = True
     kind: ClassVar[str] = STATE
 
     @property

@@ -94,6 +94,8 @@ class RunningStateMetadata:
     prefill_slots: list[int]
     prefill_fresh: list[bool]
     prefill_verify: list[bool] = field(default_factory=list)  # the chunk ends in drafts
+    num_decodes: int = 0  # leading rows, one per decode
+    prefill_rows: list[tuple[int, int]] = field(default_factory=list)  # each chunk's rows [start, end)
 
 
 def build_paged_metadata(common: CommonAttentionMetadata, block_ids: list[list[int]],
@@ -124,7 +126,8 @@ def build_running_state_metadata(common: CommonAttentionMetadata, block_ids: lis
     return RunningStateMetadata(torch.tensor([ids[0] for ids in block_ids[:nd]], dtype=torch.long),
                                 [ids[0] for ids in block_ids[nd:]], common.fresh[nd:],
                                 [n > 0 for n in common.num_drafts[nd:]] if common.num_drafts
-                                else [False] * (common.num_reqs - nd))
+                                else [False] * (common.num_reqs - nd), nd,
+                                list(zip(common.query_start[nd:], common.query_end[nd:])))
 
 
 @dataclass

@@ -158,6 +158,8 @@ class RunningStateManager(SingleTypeKVCacheManager):
 
     def find_longest_cache_hit(self, block_hashes: list[bytes], max_num_blocks: int
                                ) -> tuple[int, list[KVCacheBlock]]:
+        if not all(getattr(s, "prefix_hits", True) for s in self.group.specs):
+            return 0, []  # a state no hit can rebuild: every prompt from its start
         return max_num_blocks, []
 
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,

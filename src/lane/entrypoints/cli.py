@@ -395,8 +395,8 @@ def main(argv: list[str] | None = None) -> int:
     add_eplb_args(ex)
 
     tm = sub.add_parser("tiny-model", help="write a small random checkpoint of an architecture (SmolLM2's tokenizer)")
-    tm.add_argument("arch", choices=["llama", "qwen3", "qwen3_moe", "deepseek_v3", "deepseek_v32", "glm_moe_dsa",
-                                    "deepseek_v4"])
+    tm.add_argument("arch", choices=["llama", "qwen3", "qwen3_moe", "kimi_linear", "deepseek_v3", "deepseek_v32",
+                                    "glm_moe_dsa", "deepseek_v4"])
     tm.add_argument("out_dir")
     tm.add_argument("--seed", type=int, default=0)
     tm.add_argument("--fp8", action="store_true",

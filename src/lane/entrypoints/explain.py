@@ -234,6 +234,10 @@ def explain(model: str | None, dtype: str = "auto", block_size: int | None = Non
     if choice.name == "compressed":
         _compressed_layout(model, cfg, block_size, dtype, enable_prefix_caching, lines, stored)
     else:
+        from lane.kv_cache_interface import STATE
+
+        states = {n: s for n, s in specs.items() if s.kind == STATE}  # per request, not per token
+        specs = {n: s for n, s in specs.items() if s.kind != STATE}
         n_layers = int(getattr(cfg, "num_hidden_layers", 0) or 1)
         per_layer = sum(s.page_size_bytes for s in specs.values()) // block_size // n_layers
         full_kv = _full_kv_bytes(cfg, dtype)
@@ -244,6 +248,14 @@ def explain(model: str | None, dtype: str = "auto", block_size: int | None = Non
         lines.append(f"  per token, all {n_layers} layers: {per_layer * n_layers:,} B; "
                      f"a block of {block_size} tokens: {per_layer * n_layers * block_size:,} B; "
                      f"{_million(per_layer * n_layers)}")
+        if states:
+            layers = len({n.rpartition(".")[0] for n in states})
+            lines.append(f"  running state (linear attention: convolution and delta-rule state, float32): "
+                         f"{sum(s.page_size_bytes for s in states.values()):,} B per request over {layers} layers, "
+                         f"one slot per running request")
+            if not all(s.prefix_hits for s in states.values()):
+                lines.append("  prefix caching: that state is not snapshotted at block edges, so no prefix-cache "
+                             "hit could rebuild it: every prompt is computed from its start (hits 0)")
     sc = SchedulerConfig()
     budget = CacheConfig(block_size, enable_prefix_caching, kv_cache_memory_bytes).budget_bytes()
     kv = get_kv_cache_config(groups, budget, sc.max_num_seqs, sc.max_num_batched_tokens, None)

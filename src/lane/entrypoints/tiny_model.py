@@ -38,6 +38,15 @@ TINY = {  # name -> (transformers config class, model class, config fields)
                   dict(intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
                        num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
                        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[0])),
+    # KDA, KDA, MLA (no rope), KDA; layer 0 dense, the rest MoE with a shared expert
+    "kimi_linear": ("KimiLinearConfig", "KimiLinearForCausalLM",
+                    dict(intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16,
+                         qk_rope_head_dim=8, v_head_dim=16, num_local_experts=8, num_experts_per_tok=2, n_group=2,
+                         topk_group=1, n_shared_experts=1, routed_scaling_factor=2.5, linear_num_heads=4,
+                         linear_head_dim=16, linear_conv_kernel_dim=4,
+                         layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+                         mlp_layer_types=["dense", "sparse", "sparse", "sparse"], pad_token_id=0)),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", DEEPSEEK),
     # 16 indexer heads: index scores are sums of relus, and with few heads many tokens
     # score exactly 0, whose top-k order is then arbitrary. Near ties (a k-th and
@@ -222,7 +231,7 @@ def write_tiny_model(arch: str, out_dir: str, seed: int = 0, fp8: bool = False, 
         for name, p in model.named_parameters():
             if name.endswith("bias") or "norm" in name:  # initialised to 0 / 1: make them count
                 p.add_(torch.randn_like(p) * 0.1)
-        for layer in model.model.layers if deepseek else ():
+        for layer in model.model.layers if deepseek or arch == "kimi_linear" else ():
             if hasattr(layer.mlp, "gate"):
                 layer.mlp.gate.e_score_correction_bias.normal_(0, 0.1)
     os.makedirs(out_dir, exist_ok=True)

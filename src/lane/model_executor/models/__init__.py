@@ -10,6 +10,8 @@ BUILTIN_MODELS: dict[str, str] = {
     "DeepseekV32ForCausalLM": f"{_PKG}.deepseek_v2:DeepseekV32ForCausalLM",
     "DeepseekV4ForCausalLM": f"{_PKG}.deepseek_v4:DeepseekV4ForCausalLM",
     "GlmMoeDsaForCausalLM": f"{_PKG}.deepseek_v2:GlmMoeDsaForCausalLM",
+    "KimiLinearForCausalLM": f"{_PKG}.kimi_linear:KimiLinearForCausalLM",
+    "KimiK3ForCausalLM": f"{_PKG}.kimi_linear:KimiLinearForCausalLM",  # the seed's alias of the same class
     "LlamaForCausalLM": f"{_PKG}.llama:LlamaForCausalLM",
     "MistralForCausalLM": f"{_PKG}.mistral:MistralForCausalLM",
     "Qwen2ForCausalLM": f"{_PKG}.qwen2:Qwen2ForCausalLM",
