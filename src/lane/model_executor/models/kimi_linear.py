@@ -85,6 +85,7 @@ def kda_chunked(q, k, v, g, beta, state, chunk: int = 64):
 class KDAState(CacheLayer):
     """A KDA layer's per-request state: ``conv_state`` [channels, kernel - 1] (the last inputs
     of the short convolution) and ``recurrent_state`` [heads, d_k, d_v], float32."""
+    supports_8bit_cache = True  # under C8 the MLA layers' latent goes to 8 bits; this state stays float32
 
     def __init__(self, channels: int, kernel: int, heads: int, head_dim: int) -> None:
         super().__init__()
