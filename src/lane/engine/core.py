@@ -160,6 +160,9 @@ class EngineCore:
         if self.step_log is not None:
             self.step_log.close()
         self.executor.shutdown()
+        # start-up froze what it made (gc.freeze above): hand it back to the collector, or an
+        # in-process engine (LLM) would keep its model and KV pool for the life of the process
+        gc.unfreeze()
 
     @property
     def max_model_len(self) -> int:
