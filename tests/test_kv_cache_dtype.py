@@ -215,3 +215,24 @@ def test_dsa_context_parallel_with_8bit_caches_equals_one_rank(tiny_deepseek):
         assert [o.outputs[0].token_ids for o in two.generate(prompts, sp, use_tqdm=False)] == want
     finally:
         two.shutdown()
+
+
+def test_served_with_an_int8_cache(tiny_deepseek):
+    """lane serve --kv-cache-dtype int8 over real HTTP with the openai client: the tokens of the
+    offline int8 engine, and /metrics labels the cache as stored."""
+    import httpx2 as httpx
+
+    from utils import RemoteServer
+
+    path = tiny_deepseek["deepseek_v32"]
+    ids = list(range(300, 340))
+    llm = LLM(path, kv_cache_dtype="int8", **DS_KW)
+    want = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].token_ids
+    llm.shutdown()
+    with RemoteServer(["--model", path, "--dtype", "float32", "--served-model-name", "m", "--kv-cache-dtype", "int8",
+                       "--kv-cache-memory-bytes", str(16 << 20), "--max-model-len", "256"]) as s:
+        out = s.client().completions.create(model="m", prompt=ids, max_tokens=8, temperature=0, logprobs=1,
+                                            extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+        assert [int(t.removeprefix("token_id:")) for t in out.choices[0].logprobs.tokens] == list(want)
+        assert 'cache_dtype="int8"' in httpx.get(s.url + "/metrics").text

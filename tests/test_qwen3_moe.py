@@ -150,3 +150,30 @@ def test_gguf_qwen3moe_equals_hf_dir_and_keeps_quantized_experts(tmp_path):
     for chunk in (1, len(ids)):  # decode rows and a prefill: each expert's few rows on the integer kernel
         rel = float((teacher_forced_logits(kept, ids, chunk) - ref).norm() / ref.norm())
         assert rel < 0.03, (chunk, rel)  # 8-bit activations: ~1.5% here
+
+
+def test_gguf_kept_experts_move_under_eplb(tmp_path):
+    """Q8_0 experts kept in their blocks, over two expert-parallel ranks with EPLB rearranging
+    every 3 steps: blocks move as they are (moved bytes counted), every slot ends up holding its
+    expert's blocks exactly as a one-rank load holds them, and the tokens equal one rank's."""
+    hf = write_tiny_model("qwen3_moe", str(tmp_path / "hf"), mlp_only_layers=[])
+    q8 = write_gguf(hf, str(tmp_path / "q8.gguf"), "Q8_0")
+    kw = dict(FP32, quantization="auto", max_model_len=128, kv_cache_memory_bytes=8 << 20, max_num_batched_tokens=16)
+    prompts = [{"prompt_token_ids": p} for p in _prompts((30, 45, 20), seed=7)]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    one = LLM(q8, **kw)
+    want = [o.outputs[0].token_ids for o in one.generate(prompts, sp, use_tqdm=False)]
+    slots = one.engine.worker.expert_slots()
+    one.shutdown()
+    assert all(t.dtype == torch.uint8 for _, ts in slots.values() for t in ts)  # blocks, no dense stack
+    two = LLM(q8, tensor_parallel_size=2, enable_expert_parallel=True, enable_eplb=True,
+              eplb_config={"num_redundant_experts": 2, "step_interval": 3, "window_size": 3}, **kw)
+    try:
+        assert [o.outputs[0].token_ids for o in two.generate(prompts, sp, use_tqdm=False)] == want
+        assert two.engine.eplb_stats.moved_bytes > 0
+        for per_rank in two.engine.executor.collective_rpc("expert_slots"):
+            for layer, (experts, tensors) in per_rank.items():
+                for s, e in enumerate(experts):
+                    assert all(torch.equal(t[s], r[e]) for t, r in zip(tensors, slots[layer][1])), (layer, s, e)
+    finally:
+        two.shutdown()

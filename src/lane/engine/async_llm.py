@@ -153,7 +153,8 @@ class AsyncLLM:
         for r in self.client.ready:
             self.prometheus.log_engine_initialized(
                 r.engine_index, r.block_size, r.num_gpu_blocks, r.enable_prefix_caching,
-                str(self.model_config.dtype).removeprefix("torch."), r.kv_cache_bytes)
+                str(self.model_config.dtype).removeprefix("torch.") if self.args.kv_cache_dtype == "auto"
+                else self.args.kv_cache_dtype, r.kv_cache_bytes)  # C8: the cache as stored
         if self.log_stats_interval_s > 0:
             self._log_task = asyncio.create_task(self._log_loop(), name="log-stats")
 
