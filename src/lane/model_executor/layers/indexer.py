@@ -31,6 +31,7 @@ from lane.model_executor.layers.parallel_linear import ColumnParallelLinear
 from lane.model_executor.layers.rotary_embedding import RotaryEmbedding, rope_rows
 
 _SCORE_CHUNK_ELEMS = 1 << 26  # bounds a prefill chunk's [rows, heads, context] score tensor
+_PASS_BLOCKS = 64  # C8: the 8-bit keys are dequantized this many blocks at a time
 
 
 @dataclass
@@ -82,8 +83,8 @@ class Indexer(CacheLayer):
                 "k_scale": KVScaleSpec(block_size, torch.float32, 1)}
 
     def _keys(self, tables: torch.Tensor) -> torch.Tensor:
-        """[..., n] block ids -> the keys of those blocks [..., n * block_size, d] (dequantized from
-        the 8-bit cache under C8: the scores need every key of the context)."""
+        """[..., n] block ids -> the keys of those blocks [..., n * block_size, d], dequantized from
+        the 8-bit cache under C8 (a pass of blocks at a time: _scores_over)."""
         keys = gather_blocks(self.k_cache, tables)[..., 0, :, :]
         if self.kv_cache_dtype == "auto":
             return keys
@@ -113,9 +114,10 @@ class Indexer(CacheLayer):
         sel = SparseSelection()
         a, b = min(lo, md.num_decodes), min(hi, md.num_decodes)  # this rank's decode rows
         if b > a and int(md.decode_context_lens[a:b].max()) > self.topk:
-            keys = self._keys(md.decode_block_tables[a:b])  # [B, L, D]
-            scores = self._scores(q[a - lo:b - lo], weights[a - lo:b - lo], keys)  # [B, L]
-            pad = torch.arange(keys.shape[1])[None, :] >= md.decode_context_lens[a:b].long()[:, None]
+            tables = md.decode_block_tables[a:b]
+            scores = self._scores_over(q[a - lo:b - lo], weights[a - lo:b - lo], tables,
+                                       tables.shape[1] * kc.shape[2])  # [B, L]
+            pad = torch.arange(scores.shape[1])[None, :] >= md.decode_context_lens[a:b].long()[:, None]
             top = scores.masked_fill_(pad, float("-inf")).topk(self.topk, dim=-1)
             sel.decode_topk, sel.decode_valid = top.indices, top.values > float("-inf")
         for span in md.prefills:
@@ -125,14 +127,26 @@ class Indexer(CacheLayer):
             if total <= self.topk or a == b:
                 sel.prefill_masks.append(None)
                 continue
-            keys = self._keys(span.block_ids)[:total] if kc.numel() else k[s:e]
             causal = torch.arange(total)[None, :] <= torch.arange(span.num_computed, total)[a - s:b - s, None]
-            scores = torch.cat([self._scores(q[r - lo:r - lo + n], weights[r - lo:r - lo + n], keys)
+            scores = torch.cat([self._scores_over(q[r - lo:r - lo + n], weights[r - lo:r - lo + n], span.block_ids,
+                                                  total) if kc.numel()
+                                else self._scores(q[r - lo:r - lo + n], weights[r - lo:r - lo + n], k[s:e])
                                 for r, n in self._row_chunks(a, b, total)])
             top = scores.masked_fill_(~causal, float("-inf")).topk(self.topk, dim=-1).indices
             sel.prefill_masks.append(torch.zeros_like(causal).scatter_(1, top, True) & causal)
         tracing.forward_mark()(Step.MODEL_INDEXER_TOPK)
         return sel
+
+    def _scores_over(self, q: torch.Tensor, weights: torch.Tensor, tables: torch.Tensor, total: int) -> torch.Tensor:
+        """Index scores [R, total] against the cached keys of ``tables`` (one request's [n], or a
+        table per row [R, n]): the gathered keys at once, or under C8 in passes of _PASS_BLOCKS
+        blocks, each pass's keys dequantized alone (never a copy of the whole context's). The
+        sum over heads is linear, so passes reduce over ranks as the whole would."""
+        step = tables.shape[-1] if self.kv_cache_dtype == "auto" else _PASS_BLOCKS
+        bs = self.k_cache.shape[2]
+        parts = [self._scores(q, weights, self._keys(tables[..., j:j + step]))
+                 for j in range(0, min(tables.shape[-1], -(-total // bs)), step)]
+        return torch.cat(parts, dim=-1)[..., :total]
 
     def _row_chunks(self, start: int, end: int, total: int):
         rows = max(1, _SCORE_CHUNK_ELEMS // (self.n_heads * total))
