@@ -25,7 +25,7 @@ def hf(tiny):
 
 
 def test_logits_match_transformers(tiny, hf):
-    """Prompts of 5 to 70 tokens: one and two 64-row chunks of the chunked form, then decode
+    """Prompts of 5 and 70 tokens: one and two 64-row chunks of the chunked form, then decode
     rows; KimiK3ForCausalLM, the seed's alias, resolves to the same class."""
     from lane import ModelRegistry
 
@@ -33,7 +33,7 @@ def test_logits_match_transformers(tiny, hf):
         "KimiLinearForCausalLM")[0]
     llm = LLM(tiny, dtype="float32", kv_cache_memory_bytes=16 << 20, max_model_len=256, show_progress=False)
     try:
-        assert_logprobs_match_hf(llm, hf, _prompts((5, 17, 40, 70)), 12, "kimi_linear")
+        assert_logprobs_match_hf(llm, hf, _prompts((5, 70)), 8, "kimi_linear")
     finally:
         llm.shutdown()
 
@@ -42,18 +42,18 @@ def test_engine_greedy_equals_transformers(tiny, hf):
     """8-token chunks (each continuing its request's state), a batch of mixed lengths, a pool small
     enough to preempt, and the same prompts again: no prefix-cache hit (none could rebuild the
     state), the same tokens. lane explain says why."""
-    llm = LLM(tiny, dtype="float32", kv_cache_memory_bytes=24 << 10, block_size=16, max_num_batched_tokens=8,
+    llm = LLM(tiny, dtype="float32", kv_cache_memory_bytes=20 << 10, block_size=16, max_num_batched_tokens=8,
               max_num_seqs=4, max_model_len=96, show_progress=False)
     try:
         prompts = _prompts((7, 33, 40), seed=3)
-        sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
         again = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
         sched = llm.engine.scheduler
         assert sched.num_preemptions > 0 and sched.kv.stats.hits == 0
         assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs]
         for ids, out in zip(prompts, outs):
-            assert assert_greedy_equals_hf(hf, ids, out.outputs[0].token_ids, 24, len(ids)) == 24
+            assert assert_greedy_equals_hf(hf, ids, out.outputs[0].token_ids, 16, len(ids)) == 16
     finally:
         llm.shutdown()
     text = explain(tiny)

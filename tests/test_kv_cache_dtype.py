@@ -68,7 +68,7 @@ def test_smollm_int8_cache_perplexity_and_pool(smollm_fp32):
     1.5% of the float32 cache's; the pool holds as many more blocks as its bytes per token are
     fewer (scales included)."""
     auto, int8 = smollm_fp32["auto"], smollm_fp32["int8"]
-    ids = auto.get_tokenizer().encode(open(README).read())[:512]
+    ids = auto.get_tokenizer().encode(open(README).read())[:384]
     ppl = {kd: perplexity(llm, ids) for kd, llm in smollm_fp32.items()}
     assert abs(ppl["int8"] / ppl["auto"] - 1) < 0.015, ppl
     ka, k8 = auto.engine.kv_cache_config, int8.engine.kv_cache_config
@@ -79,7 +79,7 @@ def test_smollm_int8_cache_perplexity_and_pool(smollm_fp32):
 
 
 def test_smollm_int8_cache_tokens_do_not_depend_on_chunks_or_prefix_hits(smollm_fp32):
-    """A prefill chunk's rows are attended as decode rows over the 8-bit cache: 8-token chunks,
+    """A prefill chunk's rows are attended as decode rows over the 8-bit cache: 16-token chunks,
     one whole chunk and a prefix-cache hit give the same greedy tokens; most match the float32
     cache's."""
     int8 = smollm_fp32["int8"]
@@ -87,20 +87,20 @@ def test_smollm_int8_cache_tokens_do_not_depend_on_chunks_or_prefix_hits(smollm_
                "combined movable metal type, oil-based ink and a wooden press. Within fifty years",
                "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number, computed iteratively so that "
                "large n do not overflow the stack.\"\"\"\n    "]  # longer than a block: hits
-    sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     whole = [o.outputs[0].token_ids for o in int8.generate(prompts, sp, use_tqdm=False)]
     hits = int8.prefix_cache_stats.hits
     again = [o.outputs[0].token_ids for o in int8.generate(prompts, sp, use_tqdm=False)]
     assert int8.prefix_cache_stats.hits > hits and again == whole
     chunked = LLM(dtype="float32", quantization="none", show_progress=False, max_model_len=1024,
-                  kv_cache_memory_bytes=64 << 20, kv_cache_dtype="int8", max_num_batched_tokens=8,
+                  kv_cache_memory_bytes=64 << 20, kv_cache_dtype="int8", max_num_batched_tokens=16,
                   enable_prefix_caching=False)
     try:
         assert [o.outputs[0].token_ids for o in chunked.generate(prompts, sp, use_tqdm=False)] == whole
     finally:
         chunked.shutdown()
     ref = [o.outputs[0].token_ids for o in smollm_fp32["auto"].generate(prompts, sp, use_tqdm=False)]
-    assert sum(a == b for x, y in zip(whole, ref) for a, b in zip(x, y)) >= 0.5 * 64
+    assert sum(a == b for x, y in zip(whole, ref) for a, b in zip(x, y)) >= 0.5 * 32
 
 
 def test_8bit_cache_refused_where_a_layer_cannot_keep_it():

@@ -456,13 +456,13 @@ def test_mtp_request_reaching_max_model_len_in_the_least_pool(tiny):
 def test_mtp_draft_checkpoint_drafts_as_the_targets_own_layers(tmp_path, arch):
     """The MTP layers split off into a draft checkpoint (DeepSeekMTPModel / DeepSeekV4MTPModel,
     the target keeping none) and named in --speculative-config: the same drafts, acceptances
-    and tokens as the target's own MTP layers, and the tokens of no speculation."""
+    and tokens as the target's own MTP layers (which equal no speculation's: above)."""
     from lane.entrypoints.tiny_model import split_mtp_draft
 
     whole = write_tiny_model(arch, str(tmp_path / "whole"))
     target = write_tiny_model(arch, str(tmp_path / "target"))
     draft = split_mtp_draft(target, str(tmp_path / "draft"))
-    prompts = [{"prompt_token_ids": p} for p in _prompts((9, 40, 70))]
+    prompts = [{"prompt_token_ids": p} for p in _prompts((9, 40))]
 
     def run(path, spec=None):
         llm = _tiny(path, spec, max_num_batched_tokens=16)
@@ -476,7 +476,6 @@ def test_mtp_draft_checkpoint_drafts_as_the_targets_own_layers(tmp_path, arch):
     own = run(whole, {"method": "mtp", "num_speculative_tokens": 2})
     drafted = run(target, {"method": "mtp", "num_speculative_tokens": 2, "model": draft})
     assert drafted == own and own[1][0] > 0
-    assert run(target)[0] == own[0]
 
 
 def test_draft_checkpoints_and_known_architectures_are_refused_by_name(tiny, tmp_path):
