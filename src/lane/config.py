@@ -9,6 +9,7 @@ from functools import cached_property
 import torch
 
 from lane import platform
+from lane.kv_cache_interface import KV_CACHE_DTYPES
 from lane.transformers_utils.config import get_config
 from lane.transformers_utils.gguf_file import open_gguf
 # DEFAULT_GGUF and default_model_path are imported from here too
@@ -123,8 +124,8 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"  # auto: the model dtype; int8 / fp8_e4m3: C8, 8 bits with scales
 
     def __post_init__(self) -> None:
-        if self.kv_cache_dtype not in ("auto", "int8", "fp8_e4m3"):
-            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype!r}: expected auto, int8 or fp8_e4m3")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype!r}: expected one of {', '.join(KV_CACHE_DTYPES)}")
         if self.block_size < 1:
             raise ValueError(f"--block-size must be >= 1, got {self.block_size}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:

@@ -17,6 +17,8 @@ from typing import ClassVar
 import torch
 
 FULL, SLIDING_WINDOW, STATE = "full", "sliding_window", "state"
+# --kv-cache-dtype: the model dtype, or C8's 8 bits with a scale per row (set_kv_cache_dtype)
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
 _KIND_ORDER = (FULL, SLIDING_WINDOW, STATE)
 
 

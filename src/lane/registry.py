@@ -18,10 +18,11 @@ from lane import plugins
 logger = logging.getLogger(__name__)
 
 
-def KNOWN_UNSUPPORTED() -> dict[str, str]:  # noqa: N802 (the models table, imported lazily)
-    from lane.model_executor.models import KNOWN_UNSUPPORTED as known
+def _known_unsupported() -> dict[str, str]:
+    """The models table's known-and-refused names (imported when needed, as the table is)."""
+    from lane.model_executor.models import KNOWN_UNSUPPORTED
 
-    return known
+    return KNOWN_UNSUPPORTED
 
 
 @dataclass
@@ -102,8 +103,8 @@ class _ModelRegistry:
                     raise ValueError(refusal(arch, cls.draft_of))
                 return cls, arch
         for arch in archs:
-            if arch in KNOWN_UNSUPPORTED():
-                raise ValueError(f"Model architecture {arch} is known and not supported: {KNOWN_UNSUPPORTED()[arch]}")
+            if arch in _known_unsupported():
+                raise ValueError(f"Model architecture {arch} is known and not supported: {_known_unsupported()[arch]}")
         raise ValueError(
             f"Model architectures {archs} are not supported. Registered architectures: "
             f"{', '.join(self.get_supported_archs())}. A plugin can add one with "
@@ -116,7 +117,7 @@ class _ModelRegistry:
         lane knows and does not implement (unregistered ones are refused when the model loads)."""
         self._ensure_builtins()
         registered = [a for a in architectures if a in self._entries]
-        if registered or any(a in KNOWN_UNSUPPORTED() for a in architectures):
+        if registered or any(a in _known_unsupported() for a in architectures):
             self.resolve_model_cls(registered[:1] or architectures)
 
     def model_class(self, arch: str) -> type:

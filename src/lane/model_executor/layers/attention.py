@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from lane import platform, tracing
 from lane.attention.metadata import PagedAttentionMetadata, PrefillSpan, get_forward_context
-from lane.kv_cache_interface import FullAttentionSpec, KVCacheSpec, KVScaleSpec
+from lane.kv_cache_interface import KV_CACHE_DTYPES, FullAttentionSpec, KVCacheSpec, KVScaleSpec
 from lane.model_executor.layers import cpu_kernels
 from lane.tracing import Step
 
@@ -72,7 +72,6 @@ def decode_attention_torch(q, k_cache, v_cache, block_tables, context_lens, scal
     return torch.matmul(p, v).reshape(B, H, D)
 
 
-KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3")
 _CEILING = {"int8": 127.0, "fp8_e4m3": 448.0}  # the largest stored magnitude
 
 
@@ -175,6 +174,31 @@ class CacheLayer(nn.Module):
         setattr(self, name, tensor)
         self.kv_cache_group[name] = group
 
+    # -- C8: how this layer's caches are stored ----------------------------------------
+    def stored_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """What its caches hold: ``dtype`` (the model's), or C8's bytes (int8; fp8 e4m3 as uint8)."""
+        return {"auto": dtype, "int8": torch.int8}.get(self.kv_cache_dtype, torch.uint8)
+
+    @property
+    def fp8_cache(self) -> bool:
+        return self.kv_cache_dtype == "fp8_e4m3"
+
+    def write_rows(self, cache: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """Rows [n, D] into the flat slots of a cache whose slots are rows of D (one head a
+        slot): as they are, or under C8 quantized, each row's scale into ``scale``'s same slot."""
+        flat = cache.view(-1, cache.shape[-1])
+        if self.kv_cache_dtype == "auto":
+            flat[slots] = rows.to(cache.dtype)
+        else:
+            flat[slots], scale.view(-1)[slots] = quantize_rows_8bit(rows, self.fp8_cache)
+
+    def read_rows(self, cache: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """The rows of ``slots`` (any shape) -> [..., D]: as stored, or under C8 dequantized."""
+        rows = cache.view(-1, cache.shape[-1])[slots]
+        if self.kv_cache_dtype == "auto":
+            return rows
+        return dequantize_8bit(rows, scale.view(-1)[slots], self.fp8_cache)
+
     def attn_metadata(self, name: str):
         """This step's metadata of the group that holds cache tensor ``name``."""
         return get_forward_context().attn_metadata[self.kv_cache_group[name]]
@@ -203,11 +227,9 @@ class Attention(CacheLayer):
 
     def kv_cache_specs(self, block_size: int, dtype: torch.dtype,
                        enable_prefix_caching: bool) -> dict[str, KVCacheSpec]:
+        spec = FullAttentionSpec(block_size, self.stored_dtype(dtype), self.num_kv_heads, self.head_dim)
         if self.kv_cache_dtype == "auto":
-            spec = FullAttentionSpec(block_size, dtype, self.num_kv_heads, self.head_dim)
             return {"k_cache": spec, "v_cache": spec}
-        store = torch.int8 if self.kv_cache_dtype == "int8" else torch.uint8  # fp8: e4m3 bytes
-        spec = FullAttentionSpec(block_size, store, self.num_kv_heads, self.head_dim)
         scales = KVScaleSpec(block_size, torch.float32, self.num_kv_heads)
         return {"k_cache": spec, "v_cache": spec, "k_scale": scales, "v_scale": scales}
 
@@ -247,7 +269,7 @@ class Attention(CacheLayer):
         chunk, attended by the paged kernel over the 8-bit cache (step 27)."""
         md: PagedAttentionMetadata = self.attn_metadata("k_cache")
         kc, vc, ks, vs = self.k_cache, self.v_cache, self.k_scale, self.v_scale
-        fp8 = self.kv_cache_dtype == "fp8_e4m3"
+        fp8 = self.fp8_cache
         if cpu_kernels.usable(k):
             cpu_kernels.cache_write_8bit(k, v, kc, vc, ks, vs, md.slot_mapping, fp8)
         else:

@@ -33,7 +33,7 @@ import torch.nn as nn
 from lane.attention.metadata import PagedAttentionMetadata, RunningStateMetadata
 from lane.kv_cache_interface import (BlockEdgeStateSpec, CompressedEntrySpec, IndexerKeySpec, KVCacheSpec,
                                      RunningStateSpec, SlidingWindowSpec)
-from lane.model_executor.layers.attention import CacheLayer, dequantize_8bit, quantize_rows_8bit
+from lane.model_executor.layers.attention import CacheLayer
 
 NEG_INF = float("-inf")
 
@@ -174,9 +174,7 @@ class V4AttentionCache(CacheLayer):
 
     def kv_cache_specs(self, block_size: int, dtype: torch.dtype,
                        enable_prefix_caching: bool) -> dict[str, KVCacheSpec]:
-        c8 = self.kv_cache_dtype != "auto"
-        store = dtype if not c8 else torch.int8 if self.kv_cache_dtype == "int8" else torch.uint8
-        f32 = torch.float32
+        c8, store, f32 = self.kv_cache_dtype != "auto", self.stored_dtype(dtype), torch.float32
         specs: dict[str, KVCacheSpec] = {"kv_cache": SlidingWindowSpec(block_size, store, self.head_dim, self.window)}
         if c8:  # each row's scale, in the same group (a spec of the same kind, one value wide)
             specs["kv_scale"] = SlidingWindowSpec(block_size, f32, 1, self.window)
@@ -198,20 +196,6 @@ class V4AttentionCache(CacheLayer):
                 specs["entry_snap"] = BlockEdgeStateSpec(block_size, torch.float32, self.head_dim)
                 specs["index_snap"] = BlockEdgeStateSpec(block_size, torch.float32, self.index_head_dim)
         return specs
-
-    # -- rows in and out, in 8 bits under C8 ------------------------------------------
-    def _put(self, cache: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
-        flat = cache.view(-1, cache.shape[-1])
-        if self.kv_cache_dtype == "auto":
-            flat[slots] = rows.to(cache.dtype)
-        else:
-            flat[slots], scale.view(-1)[slots] = quantize_rows_8bit(rows, self.kv_cache_dtype != "int8")
-
-    def _get(self, cache: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        rows = cache.view(-1, cache.shape[-1])[slots]
-        if self.kv_cache_dtype == "auto":
-            return rows
-        return dequantize_8bit(rows, scale.view(-1)[slots], self.kv_cache_dtype != "int8")
 
     def metadata(self) -> CompressedAttentionMetadata:
         md = CompressedAttentionMetadata(self.attn_metadata("kv_cache"))
@@ -239,25 +223,25 @@ class V4AttentionCache(CacheLayer):
 
     def write_window(self, kv: torch.Tensor, md: CompressedAttentionMetadata) -> None:
         """Every row's K=V into the window group's pool (step 24)."""
-        self._put(self.kv_cache, self.kv_scale, md.window.slot_mapping, kv)
+        self.write_rows(self.kv_cache, self.kv_scale, md.window.slot_mapping, kv)
 
     def window_keys(self, window_table: torch.Tensor, first: int, last: int) -> torch.Tensor:
         """Cached K=V of positions first .. last (the window group's table) -> [L, head_dim]"""
-        return self._get(self.kv_cache, self.kv_scale, self.token_slots(window_table, torch.arange(first, last + 1)))
+        return self.read_rows(self.kv_cache, self.kv_scale, self.token_slots(window_table, torch.arange(first, last + 1)))
 
     def decode_window_keys(self, window_tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """[B, L] positions of each decode's window -> [B, L, head_dim]"""
-        return self._get(self.kv_cache, self.kv_scale, self.token_slots(window_tables, positions))
+        return self.read_rows(self.kv_cache, self.kv_scale, self.token_slots(window_tables, positions))
 
     def entries(self, which: str, table: torch.Tensor, windows: torch.Tensor) -> torch.Tensor:
         """Entries ("state": the pooled KV, "index_state": the indexer's keys) of windows
         [E] or [B, E] -> [..., C]"""
-        return self._get(*self._entry_cache(which), self.entry_slots(table, windows))
+        return self.read_rows(*self._entry_cache(which), self.entry_slots(table, windows))
 
     def write_entries(self, which: str, table: torch.Tensor, windows: torch.Tensor, rows: torch.Tensor) -> None:
         """Entries of windows [E] (one request's table) or [B, 1] (a batch's tables)."""
         if rows.shape[0]:
-            self._put(*self._entry_cache(which), self.entry_slots(table, windows).reshape(-1), rows)
+            self.write_rows(*self._entry_cache(which), self.entry_slots(table, windows).reshape(-1), rows)
 
     # -- running state: a prefill chunk ---------------------------------------------
     def fold_prefill(self, which: str, kv: torch.Tensor, gate: torch.Tensor, overlap: bool,

@@ -24,7 +24,7 @@ from lane.distributed.parallel_state import dsa_head_group
 from lane.tracing import Step
 from lane.attention.metadata import PagedAttentionMetadata
 from lane.kv_cache_interface import IndexerKeySpec, KVCacheSpec, KVScaleSpec
-from lane.model_executor.layers.attention import CacheLayer, dequantize_8bit, gather_blocks, quantize_rows_8bit
+from lane.model_executor.layers.attention import CacheLayer, dequantize_8bit, gather_blocks
 from lane.model_executor.layers.context_parallel import RowWindow
 from lane.model_executor.layers.linear import Linear
 from lane.model_executor.layers.parallel_linear import ColumnParallelLinear
@@ -76,11 +76,10 @@ class Indexer(CacheLayer):
 
     def kv_cache_specs(self, block_size: int, dtype: torch.dtype,
                        enable_prefix_caching: bool) -> dict[str, KVCacheSpec]:
-        if self.kv_cache_dtype == "auto":
-            return {"k_cache": IndexerKeySpec(block_size, dtype, self.head_dim)}
-        store = torch.int8 if self.kv_cache_dtype == "int8" else torch.uint8
-        return {"k_cache": IndexerKeySpec(block_size, store, self.head_dim),
-                "k_scale": KVScaleSpec(block_size, torch.float32, 1)}
+        specs = {"k_cache": IndexerKeySpec(block_size, self.stored_dtype(dtype), self.head_dim)}
+        if self.kv_cache_dtype != "auto":
+            specs["k_scale"] = KVScaleSpec(block_size, torch.float32, 1)
+        return specs
 
     def _keys(self, tables: torch.Tensor) -> torch.Tensor:
         """[..., n] block ids -> the keys of those blocks [..., n * block_size, d], dequantized from
@@ -89,7 +88,7 @@ class Indexer(CacheLayer):
         if self.kv_cache_dtype == "auto":
             return keys
         scales = gather_blocks(self.k_scale[..., None], tables)[..., 0, :, 0]
-        return dequantize_8bit(keys, scales, self.kv_cache_dtype != "int8")
+        return dequantize_8bit(keys, scales, self.fp8_cache)
 
     def forward(self, rope, x: torch.Tensor, q_resid: torch.Tensor, win: RowWindow | None = None
                 ) -> SparseSelection:
@@ -104,12 +103,7 @@ class Indexer(CacheLayer):
         k = rot.rotate(rope, self.k_norm(self.wk(x)).view(T, 1, self.head_dim)).view(T, self.head_dim)
         kc = self.k_cache
         if kc.numel():
-            bs = kc.shape[2]
-            blk, off = md.slot_mapping // bs, md.slot_mapping % bs
-            if self.kv_cache_dtype == "auto":
-                kc[blk, 0, off] = k
-            else:
-                kc[blk, 0, off], self.k_scale[blk, 0, off] = quantize_rows_8bit(k, self.kv_cache_dtype != "int8")
+            self.write_rows(kc, self.k_scale, md.slot_mapping, k)
         weights = self.weights_proj(x[lo:hi].float()) * self.head_scale  # [rows, H]
         sel = SparseSelection()
         a, b = min(lo, md.num_decodes), min(hi, md.num_decodes)  # this rank's decode rows

@@ -35,8 +35,7 @@ from lane.tracing import Step
 from lane.model_executor.layers import cpu_kernels
 from lane.attention.metadata import PagedAttentionMetadata, PrefillSpan
 from lane.kv_cache_interface import KVCacheSpec, KVScaleSpec, MLAAttentionSpec
-from lane.model_executor.layers.attention import (CacheLayer, attention_8bit_torch, decode_attention_torch,
-                                                  dequantize_8bit, gather_blocks, quantize_rows_8bit)
+from lane.model_executor.layers.attention import CacheLayer, attention_8bit_torch, decode_attention_torch, gather_blocks
 from lane.model_executor.layers.context_parallel import RowWindow, mark_context_gathered
 from lane.model_executor.layers.indexer import SparseSelection
 from lane.model_executor.layers.linear import Linear
@@ -69,12 +68,11 @@ class MLAAttention(CacheLayer):
 
     def kv_cache_specs(self, block_size: int, dtype: torch.dtype,
                        enable_prefix_caching: bool) -> dict[str, KVCacheSpec]:
-        width = self.kv_lora_rank + self.qk_rope_head_dim
-        if self.kv_cache_dtype == "auto":
-            return {"kv_cache": MLAAttentionSpec(block_size, dtype, width)}
-        store = torch.int8 if self.kv_cache_dtype == "int8" else torch.uint8
-        return {"kv_cache": MLAAttentionSpec(block_size, store, width),
-                "kv_scale": KVScaleSpec(block_size, torch.float32, 1)}
+        specs = {"kv_cache": MLAAttentionSpec(block_size, self.stored_dtype(dtype),
+                                              self.kv_lora_rank + self.qk_rope_head_dim)}
+        if self.kv_cache_dtype != "auto":
+            specs["kv_scale"] = KVScaleSpec(block_size, torch.float32, 1)
+        return specs
 
     @property
     def kv_b_proj(self) -> Linear:
@@ -98,14 +96,8 @@ class MLAAttention(CacheLayer):
         md: PagedAttentionMetadata = self.attn_metadata("kv_cache")
         R = q_nope.shape[0]
         entry = torch.cat((latent, k_pe), dim=-1)  # what one token keeps
-        kc = self.kv_cache
-        if kc.numel():  # step 24: latents into their slots
-            bs = kc.shape[2]
-            blk, off = md.slot_mapping // bs, md.slot_mapping % bs
-            if self.c8:
-                kc[blk, 0, off], self.kv_scale[blk, 0, off] = quantize_rows_8bit(entry, self.kv_cache_dtype != "int8")
-            else:
-                kc[blk, 0, off] = entry
+        if self.kv_cache.numel():  # step 24: latents into their slots
+            self.write_rows(self.kv_cache, self.kv_scale, md.slot_mapping, entry)
         mark = tracing.forward_mark()
         mark(Step.OPS_KV_WRITE)
         out = q_nope.new_empty(R, q_nope.shape[1], self.v_head_dim)
@@ -117,20 +109,16 @@ class MLAAttention(CacheLayer):
                                               md.decode_block_tables[a:b], md.decode_context_lens[a:b], topk)
         for i, span in enumerate(md.prefills):
             s, e = span.query_start, span.query_end
-            mask = sparse.prefill_masks[i] if sparse is not None else None
-            if win is None and not self.c8:
-                out[s:e] = self._prefill(q_nope[s:e], q_pe[s:e], entry[s:e], span, mask)
+            a, b = (s, e) if win is None else win.clip(s, e)
+            if a == b:
                 continue
-            if win is None:
-                out[s:e] = self._prefill_rows_8bit(q_nope[s:e], q_pe[s:e], span, 0, mask)
-                continue
-            a, b = win.clip(s, e)
-            if b > a and self.c8:
-                out[a - lo:b - lo] = self._prefill_rows_8bit(q_nope[a - lo:b - lo], q_pe[a - lo:b - lo], span,
-                                                             a - s, mask)
-            elif b > a:
-                out[a - lo:b - lo] = self._prefill_rows(q_nope[a - lo:b - lo], q_pe[a - lo:b - lo],
-                                                        entry[s:b], span, a - s, mask)
+            rows, mask = slice(a - lo, b - lo), sparse.prefill_masks[i] if sparse is not None else None
+            if self.c8:  # each row as a decode row over the 8-bit cache
+                out[rows] = self._prefill_rows_8bit(q_nope[rows], q_pe[rows], span, a - s, mask)
+            elif win is None:  # the chunk, expanded through kv_b_proj
+                out[rows] = self._prefill(q_nope[rows], q_pe[rows], entry[s:e], span, mask)
+            else:  # this rank's rows, every head, absorbed
+                out[rows] = self._prefill_rows(q_nope[rows], q_pe[rows], entry[s:b], span, a - s, mask)
         mark(Step.OPS_ATTENTION)
         return out.view(R, -1)
 
@@ -202,16 +190,15 @@ class MLAAttention(CacheLayer):
             bs = kc.shape[2]
             pos, valid = topk
             blocks = tables.gather(1, pos // bs)
-            sel = kc[blocks, 0, pos % bs]  # [B, k, latent + rope]: only the chosen tokens
-            if self.c8:
-                sel = dequantize_8bit(sel, self.kv_scale[blocks, 0, pos % bs], self.kv_cache_dtype != "int8").to(q.dtype)
+            # [B, k, latent + rope]: only the chosen tokens (dequantized under C8)
+            sel = self.read_rows(kc, self.kv_scale, blocks * bs + pos % bs).to(q.dtype)
             s = torch.bmm(q, sel.transpose(1, 2)).float() * self.scale  # [B, H, k]
             s.masked_fill_(~valid[:, None, :], float("-inf"))
             o_lat = torch.bmm(torch.softmax(s, dim=-1).to(q.dtype), sel[..., :self.kv_lora_rank])
         elif self.c8:  # the same over the 8-bit cache, each row dequantized as the kernel reads it
-            ks, fp8 = self.kv_scale, self.kv_cache_dtype != "int8"
+            ks = self.kv_scale
             attend = cpu_kernels.decode_attention_8bit if cpu_kernels.usable(q) else attention_8bit_torch
-            o_lat = attend(q, kc, kc, ks, ks, tables, context_lens, self.scale, fp8)[..., :self.kv_lora_rank]
+            o_lat = attend(q, kc, kc, ks, ks, tables, context_lens, self.scale, self.fp8_cache)[..., :self.kv_lora_rank]
         else:  # MQA over the cache as it is: K = the whole entry, V = its latent part
             args = (q, kc, kc, tables, context_lens, self.scale)
             o = cpu_kernels.decode_attention(*args) if cpu_kernels.usable(q) else decode_attention_torch(*args)

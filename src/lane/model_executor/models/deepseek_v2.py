@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from lane import platform, tracing
 from lane.distributed.parallel_state import (dsa_context_parallel, dsa_head_group, get_tp_group,
                                              replica_local_experts, sequence_parallel_begin)
+from lane.distributed.layout import num_routed_experts
 from lane.tracing import Step
 from lane.model_executor.layers.context_parallel import heads_to_rows, row_window, rows_to_heads
 from lane.model_executor.layers.fused_moe import (FusedMoE, combine_routed, grouped_topk, load_expert_weight,
@@ -146,19 +147,22 @@ class DeepseekV2MLAAttention(nn.Module):
 
 
 class DeepseekV2MoE(nn.Module):
-    """Routed experts behind DeepSeek's gate, plus the always-on shared experts."""
+    """Routed experts behind DeepSeek's gate, plus the always-on shared experts. Other families
+    use it under their config names (Kimi Linear as it is; Qwen3-MoE with a softmax router,
+    ``scoring_func``, and no selection bias, ``routing_bias=False``)."""
 
-    def __init__(self, config) -> None:
+    def __init__(self, config, scoring_func: str | None = None, routing_bias: bool = True) -> None:
         super().__init__()
-        E, hidden = config.n_routed_experts, config.hidden_size
+        E, hidden = num_routed_experts(config), config.hidden_size
         self.top_k = config.num_experts_per_tok
-        self.scoring_func = getattr(config, "scoring_func", "sigmoid")
+        self.scoring_func = scoring_func or getattr(config, "scoring_func", "sigmoid")
         self.n_group, self.topk_group = getattr(config, "n_group", None), getattr(config, "topk_group", None)
         self.renormalize = getattr(config, "norm_topk_prob", True)
         self.routed_scaling_factor = getattr(config, "routed_scaling_factor", 1.0)
         self.gate = nn.Module()  # float32, as the reference keeps it: it makes a discrete choice
         self.gate.weight = nn.Parameter(torch.empty(E, hidden, dtype=torch.float32), requires_grad=False)
-        self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(E, dtype=torch.float32), requires_grad=False)
+        self.gate.e_score_correction_bias = (nn.Parameter(torch.zeros(E, dtype=torch.float32), requires_grad=False)
+                                             if routing_bias else None)
         self.experts = FusedMoE(E, self.top_k, hidden, config.moe_intermediate_size)
         n_shared = getattr(config, "n_shared_experts", 0) or 0
         # partial sums, like the routed experts': one all-reduce after both (step 31)

@@ -24,7 +24,6 @@ from lane.attention.metadata import RunningStateMetadata
 from lane.distributed.parallel_state import get_tp_group, sequence_parallel_begin
 from lane.kv_cache_interface import KVCacheSpec, RunningStateSpec
 from lane.model_executor.layers.attention import CacheLayer
-from lane.model_executor.layers.fused_moe import FusedMoE
 from lane.model_executor.layers.layernorm import RMSNorm
 from lane.model_executor.layers.linear import Linear
 from lane.model_executor.layers.parallel_linear import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
@@ -167,28 +166,6 @@ class KimiDeltaAttention(nn.Module):
         return l2norm(q) * self.d ** -0.5, l2norm(k), v
 
 
-class KimiLinearMoE(DeepseekV2MoE):
-    """DeepSeek's routed-expert block under Kimi's names: sigmoid scores with a selection bias,
-    group-limited top-k, renormalised, scaled; shared experts."""
-
-    def __init__(self, config) -> None:
-        nn.Module.__init__(self)
-        E, hidden = config.num_experts, config.hidden_size
-        self.top_k = config.num_experts_per_tok
-        self.scoring_func = "sigmoid"
-        self.n_group, self.topk_group = config.n_group, config.topk_group
-        self.renormalize = config.norm_topk_prob
-        self.routed_scaling_factor = config.routed_scaling_factor
-        self.gate = nn.Module()
-        self.gate.weight = nn.Parameter(torch.empty(E, hidden, dtype=torch.float32), requires_grad=False)
-        self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(E, dtype=torch.float32), requires_grad=False)
-        self.experts = FusedMoE(E, self.top_k, hidden, config.moe_intermediate_size)
-        n_shared = config.n_shared_experts or 0
-        self.shared_experts = (LlamaMLP(hidden, config.moe_intermediate_size * n_shared, False, reduce=False)
-                               if n_shared else None)
-        self.tp = get_tp_group()
-
-
 class KimiLinearDecoderLayer(LlamaDecoderLayer):
     def __init__(self, config, layer_idx: int) -> None:
         nn.Module.__init__(self)
@@ -196,7 +173,7 @@ class KimiLinearDecoderLayer(LlamaDecoderLayer):
         # MLA without rope ("NoPE"): positions come from the KDA layers
         self.self_attn = (DeepseekV2MLAAttention(config, None, False) if self.layer_type == FULL
                           else KimiDeltaAttention(config))
-        self.mlp = (KimiLinearMoE(config) if config.mlp_layer_types[layer_idx] == "sparse"
+        self.mlp = (DeepseekV2MoE(config) if config.mlp_layer_types[layer_idx] == "sparse"  # DeepSeek's router
                     else LlamaMLP(config.hidden_size, config.intermediate_size, False))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -227,10 +204,6 @@ class KimiLinearForCausalLM(DeepseekV3ForCausalLM):
     def __init__(self, config, max_position: int | None = None) -> None:
         super().__init__(config, max_position)
         self.kv_cache_skip = ()  # no MTP layers
-
-    def moe_layers(self) -> dict[int, FusedMoE]:
-        return {i: layer.mlp.experts for i, layer in enumerate(self.model.layers)
-                if isinstance(layer.mlp, KimiLinearMoE)}
 
     def load_weight(self, params: dict[str, nn.Parameter], name: str, tensor) -> str | None:
         # the released names: block_sparse_moe for the FFN, experts' w1 / w3 / w2 for gate / up / down

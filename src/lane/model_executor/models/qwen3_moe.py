@@ -7,10 +7,8 @@ stay in their blocks under ``--quantization auto``.
 """
 from __future__ import annotations
 
-import torch
 import torch.nn as nn
 
-from lane.distributed.parallel_state import get_tp_group
 from lane.model_executor.layers.fused_moe import FusedMoE, load_expert_weight
 from lane.model_executor.layers.layernorm import RMSNorm
 from lane.model_executor.layers.parallel_linear import VocabParallelEmbedding
@@ -18,24 +16,6 @@ from lane.model_executor.layers.rotary_embedding import RotaryEmbedding
 from lane.model_executor.models.deepseek_v2 import DeepseekV2MoE
 from lane.model_executor.models.llama import LlamaMLP
 from lane.model_executor.models.qwen3 import Qwen3Attention, Qwen3DecoderLayer, Qwen3ForCausalLM, Qwen3Model
-
-
-class Qwen3MoeSparseMoeBlock(DeepseekV2MoE):
-    """DeepSeek's routed-expert block with Qwen's router: softmax scores, plain top-k."""
-
-    def __init__(self, config) -> None:
-        nn.Module.__init__(self)
-        E, hidden = config.num_experts, config.hidden_size
-        self.top_k = config.num_experts_per_tok
-        self.scoring_func, self.n_group, self.topk_group = "softmax", None, None
-        self.renormalize = config.norm_topk_prob
-        self.routed_scaling_factor = 1.0
-        self.gate = nn.Module()  # float32: it makes a discrete choice
-        self.gate.weight = nn.Parameter(torch.empty(E, hidden, dtype=torch.float32), requires_grad=False)
-        self.gate.e_score_correction_bias = None
-        self.experts = FusedMoE(E, self.top_k, hidden, config.moe_intermediate_size)
-        self.shared_experts = None
-        self.tp = get_tp_group()
 
 
 def is_sparse_layer(config, layer_idx: int) -> bool:
@@ -47,7 +27,8 @@ class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
     def __init__(self, config, rotary: RotaryEmbedding, layer_idx: int) -> None:
         nn.Module.__init__(self)
         self.self_attn = Qwen3Attention(config, rotary)
-        self.mlp = (Qwen3MoeSparseMoeBlock(config) if is_sparse_layer(config, layer_idx)
+        self.mlp = (DeepseekV2MoE(config, scoring_func="softmax", routing_bias=False)  # Qwen's router
+                    if is_sparse_layer(config, layer_idx)
                     else LlamaMLP(config.hidden_size, config.intermediate_size, False))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -70,7 +51,7 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
 
     def moe_layers(self) -> dict[int, FusedMoE]:
         return {i: layer.mlp.experts for i, layer in enumerate(self.model.layers)
-                if isinstance(layer.mlp, Qwen3MoeSparseMoeBlock)}
+                if isinstance(layer.mlp, DeepseekV2MoE)}
 
     def load_weight(self, params: dict[str, nn.Parameter], name: str, tensor) -> str | None:
         if (expert := load_expert_weight(self, name, tensor)) is not None:
