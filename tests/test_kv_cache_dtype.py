@@ -12,7 +12,7 @@ import torch
 from lane import LLM, SamplingParams
 from lane.bench.quality import perplexity
 from lane.model_executor.layers import cpu_kernels
-from lane.model_executor.layers.attention import (attention_8bit_torch, decode_attention_torch, dequantize_8bit,
+from lane.model_executor.layers.attention import (CacheLayer, attention_8bit_torch, decode_attention_torch, dequantize_8bit,
                                                   quantize_rows_8bit)
 
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
@@ -198,15 +198,31 @@ def test_indexer_topk_with_8bit_keys_agrees_with_bf16(tiny_deepseek, arch, monke
     bf16, int8 = sel["auto"][rows], sel["int8"][rows]
     assert bool((bf16.sum(-1) == topk).all())
     assert float((bf16 & int8).sum() / bf16.sum()) >= 0.95
-    if arch == "deepseek_v32":  # the 8-bit keys scored two blocks a pass: the same choices as in one pass
-        from lane.model_executor.layers import indexer
+    # the 8-bit keys scored two blocks a pass (V4: 40 entries in 5 passes): the same choices as in one
+    monkeypatch.setattr(CacheLayer, "c8_pass_blocks", 2)
+    llm = LLM(tiny_deepseek[arch], kv_cache_dtype="int8", **dict(DS_KW, dtype="bfloat16"))
+    try:
+        assert torch.equal(_first_sparse_selection(llm, arch, ids), sel["int8"])
+    finally:
+        llm.shutdown()
 
-        monkeypatch.setattr(indexer, "_PASS_BLOCKS", 2)
-        llm = LLM(tiny_deepseek[arch], kv_cache_dtype="int8", **dict(DS_KW, dtype="bfloat16"))
-        try:
-            assert torch.equal(_first_sparse_selection(llm, arch, ids), sel["int8"])
-        finally:
-            llm.shutdown()
+
+def test_v4_attention_over_passes_equals_one_pass():
+    """C8's V4 attention: the context in parts (a window, then passes of entries, one that no
+    row may see) merged by the online softmax from the sink equals one softmax over it all,
+    for a chunk's rows against one context and for decodes against their own."""
+    from lane.model_executor.layers.compressed_attention import attend_with_sinks
+
+    torch.manual_seed(0)
+    n, H, d, L = 5, 4, 32, 40
+    q, sinks = torch.randn(n, H, d), torch.randn(H)
+    for keys in (torch.randn(L, d), torch.randn(n, L, d)):  # a chunk's context; a context per decode
+        allowed = torch.rand(n, L) < 0.6
+        allowed[:, 24:32] = False
+        whole = attend_with_sinks(q, [(keys, allowed)], sinks, 0.2)
+        cuts = [(0, 8), (8, 24), (24, 32), (32, 40)]
+        parts = [(keys[..., a:b, :], allowed[:, a:b]) for a, b in cuts]
+        assert torch.allclose(attend_with_sinks(q, parts, sinks, 0.2), whole, atol=1e-6)
 
 
 def test_dsa_context_parallel_with_8bit_caches_equals_one_rank(tiny_deepseek):

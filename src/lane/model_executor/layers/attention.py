@@ -158,6 +158,7 @@ class CacheLayer(nn.Module):
     # each row on its own (its context length): a request's several rows (drafts to verify)
     # may then be decode rows, each seeing the cache up to itself
     decode_rows_independent = False
+    c8_pass_blocks = 64  # C8: cached rows read (and dequantized) this many blocks at a time
     # C8: whether it can keep its cache in 8 bits, and the storage chosen (set_kv_cache_dtype)
     supports_8bit_cache = False
     kv_cache_dtype = "auto"

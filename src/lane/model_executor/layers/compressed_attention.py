@@ -19,9 +19,10 @@ w pools window w-1's first series (Ca) and window w's second (Cb).
 
 C8 (``--kv-cache-dtype int8 / fp8_e4m3``): the window's K=V, the entries and the indexer's
 keys are stored a byte a value, each row with its float32 scale in a tensor of the same group
-(``kv_scale``, ``entry_scale``, ``index_scale``: specs of the same kind, one value wide); the
-rows a step gathers (a window, a request's entries) are dequantized as they are gathered. The
-running state and the snapshots stay float32.
+(``kv_scale``, ``entry_scale``, ``index_scale``: specs of the same kind, one value wide). A
+window is dequantized as it is gathered (it is bounded); entries a pass of blocks at a time
+(``entry_passes``), the indexer scoring and the attention's online softmax going over the
+passes. The running state and the snapshots stay float32.
 """
 from __future__ import annotations
 
@@ -238,6 +239,13 @@ class V4AttentionCache(CacheLayer):
         [E] or [B, E] -> [..., C]"""
         return self.read_rows(*self._entry_cache(which), self.entry_slots(table, windows))
 
+    def entry_passes(self, n_entries: int) -> list[tuple[int, int]]:
+        """The ranges of entries read at once: all of them, or under C8 a pass of
+        ``c8_pass_blocks`` blocks' entries at a time, each pass dequantized alone (never a
+        copy of a request's whole compressed context)."""
+        step = n_entries if self.kv_cache_dtype == "auto" else self.c8_pass_blocks * (self.block_size // self.rate)
+        return [(j, min(j + step, n_entries)) for j in range(0, n_entries, max(step, 1))]
+
     def write_entries(self, which: str, table: torch.Tensor, windows: torch.Tensor, rows: torch.Tensor) -> None:
         """Entries of windows [E] (one request's table) or [B, 1] (a batch's tables)."""
         if rows.shape[0]:
@@ -339,15 +347,34 @@ def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
-def attend_with_sinks(q: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor, sinks: torch.Tensor,
+def attend_with_sinks(q: torch.Tensor, parts: list[tuple[torch.Tensor, torch.Tensor]], sinks: torch.Tensor,
                       scale: float) -> torch.Tensor:
-    """Shared-KV attention (K = V = keys) with a per-head sink logit in the denominator.
-    One request's chunk: q [n, H, d], keys [L, d], allowed [n, L]; or one query per
-    request: q [B, H, d], keys [B, L, d], allowed [B, L]. -> like q"""
+    """Shared-KV attention (K = V = keys) with a per-head sink logit in the denominator, over
+    ``parts`` of the context, each (keys, allowed). One request's chunk: q [n, H, d], keys
+    [L, d], allowed [n, L]; or one query per request: q [B, H, d], keys [B, L, d], allowed
+    [B, L]. -> like q. Several parts (C8's passes) merge by an online softmax that starts
+    from the sink; a part no row may see is skipped."""
     n, H, _ = q.shape
-    logits = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [n, H, L]
-    logits = logits.masked_fill(~allowed[:, None, :], NEG_INF)
-    combined = torch.cat((logits, sinks.view(1, H, 1).expand(n, H, 1).to(logits.dtype)), dim=-1)
-    combined = combined - combined.amax(dim=-1, keepdim=True)
-    probs = torch.softmax(combined, dim=-1)[..., :-1]
-    return torch.matmul(probs.to(keys.dtype), keys)
+    sink = sinks.view(1, H, 1).expand(n, H, 1)
+    if len(parts) == 1:
+        keys, allowed = parts[0]
+        keys = keys.to(q.dtype)
+        logits = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [n, H, L]
+        logits = logits.masked_fill(~allowed[:, None, :], NEG_INF)
+        combined = torch.cat((logits, sink.to(logits.dtype)), dim=-1)
+        combined = combined - combined.amax(dim=-1, keepdim=True)
+        probs = torch.softmax(combined, dim=-1)[..., :-1]
+        return torch.matmul(probs.to(keys.dtype), keys)
+    m, total = sink.float(), torch.ones(n, H, 1)
+    acc = torch.zeros(n, H, q.shape[-1])
+    for keys, allowed in parts:
+        if not bool(allowed.any()):
+            continue
+        keys = keys.to(q.dtype)
+        s = (torch.matmul(q, keys.transpose(-1, -2)) * scale).float().masked_fill(~allowed[:, None, :], NEG_INF)
+        m_new = torch.maximum(m, s.amax(-1, keepdim=True))  # finite: the sink is in it
+        c, p = torch.exp(m - m_new), torch.exp(s - m_new)
+        total = total * c + p.sum(-1, keepdim=True)
+        acc = acc * c + torch.matmul(p.to(keys.dtype), keys).float()
+        m = m_new
+    return (acc / total).to(q.dtype)

@@ -31,7 +31,6 @@ from lane.model_executor.layers.parallel_linear import ColumnParallelLinear
 from lane.model_executor.layers.rotary_embedding import RotaryEmbedding, rope_rows
 
 _SCORE_CHUNK_ELEMS = 1 << 26  # bounds a prefill chunk's [rows, heads, context] score tensor
-_PASS_BLOCKS = 64  # C8: the 8-bit keys are dequantized this many blocks at a time
 
 
 @dataclass
@@ -133,10 +132,10 @@ class Indexer(CacheLayer):
 
     def _scores_over(self, q: torch.Tensor, weights: torch.Tensor, tables: torch.Tensor, total: int) -> torch.Tensor:
         """Index scores [R, total] against the cached keys of ``tables`` (one request's [n], or a
-        table per row [R, n]): the gathered keys at once, or under C8 in passes of _PASS_BLOCKS
+        table per row [R, n]): the gathered keys at once, or under C8 in passes of c8_pass_blocks
         blocks, each pass's keys dequantized alone (never a copy of the whole context's). The
         sum over heads is linear, so passes reduce over ranks as the whole would."""
-        step = tables.shape[-1] if self.kv_cache_dtype == "auto" else _PASS_BLOCKS
+        step = tables.shape[-1] if self.kv_cache_dtype == "auto" else self.c8_pass_blocks
         bs = self.k_cache.shape[2]
         parts = [self._scores(q, weights, self._keys(tables[..., j:j + step]))
                  for j in range(0, min(tables.shape[-1], -(-total // bs)), step)]

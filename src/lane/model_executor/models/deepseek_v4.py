@@ -201,19 +201,18 @@ class DeepseekV4Attention(nn.Module):
         first = max(0, p0 - self.window + 1)
         keys = cache.window_keys(md.window.prefills[i].block_ids, first, p0 + n - 1)
         kpos, rows = torch.arange(first, p0 + n), pos[a:b]
-        allowed = (kpos[None, :] <= rows[:, None]) & (kpos[None, :] > rows[:, None] - self.window)
+        parts = [(keys, (kpos[None, :] <= rows[:, None]) & (kpos[None, :] > rows[:, None] - self.window))]
         if n_entries:
-            table = md.entries.prefills[i].block_ids
-            visible = torch.arange(n_entries)[None, :] < ((rows + 1) // self.compressor.rate)[:, None]
+            table, windows = md.entries.prefills[i].block_ids, torch.arange(n_entries)
+            visible = windows[None, :] < ((rows + 1) // self.compressor.rate)[:, None]
             if self.indexer is not None:  # step 25: top-k entries per query
-                keys_i = cache.entries("index_state", table, torch.arange(n_entries))
-                visible &= self._select(x[a:b], q_res[a:b], rows, keys_i, visible)
+                visible &= self._select(x[a:b], q_res[a:b], rows, table, windows, visible)
                 mark(Step.MODEL_INDEXER_TOPK, **lt)
-            keys = torch.cat((keys, cache.entries("state", table, torch.arange(n_entries))))
-            allowed = torch.cat((allowed, visible), dim=1)
+            parts += [(cache.entries("state", table, windows[j:k]), visible[:, j:k])
+                      for j, k in cache.entry_passes(n_entries)]
         if q.shape[1] > self.num_heads:
             mark_context_gathered(**lt)
-        out = attend_with_sinks(q, keys.to(q.dtype), allowed, self._sinks(q.shape[1]), self.head_dim ** -0.5)
+        out = attend_with_sinks(q, parts, self._sinks(q.shape[1]), self.head_dim ** -0.5)
         mark(Step.OPS_ATTENTION, **lt)
         return out
 
@@ -233,20 +232,18 @@ class DeepseekV4Attention(nn.Module):
             return q
         x, q_res, pos, n_entries = x[a:b], q_res[a:b], pos[a:b], n_entries[a:b]
         kpos = pos[:, None] - torch.arange(self.window - 1, -1, -1)[None, :]  # [B, W]: p - W + 1 .. p
-        allowed = kpos >= 0
-        keys = cache.decode_window_keys(md.window.decode_block_tables[a:b], kpos.clamp(min=0))
+        parts = [(cache.decode_window_keys(md.window.decode_block_tables[a:b], kpos.clamp(min=0)), kpos >= 0)]
         E = int(n_entries.max()) if self.compressor is not None else 0
         if E:
             tables = md.entries.decode_block_tables[a:b]
             windows = torch.arange(E).expand(b - a, E)
             visible = windows < n_entries[:, None]
             if self.indexer is not None:
-                keys_i = cache.entries("index_state", tables, windows)
-                visible &= self._select(x, q_res, pos, keys_i, visible)
+                visible &= self._select(x, q_res, pos, tables, windows, visible)
                 mark(Step.MODEL_INDEXER_TOPK, **lt)
-            keys = torch.cat((keys, cache.entries("state", tables, windows)), dim=1)
-            allowed = torch.cat((allowed, visible), dim=1)
-        out = attend_with_sinks(q, keys.to(q.dtype), allowed, self._sinks(q.shape[1]), self.head_dim ** -0.5)
+            parts += [(cache.entries("state", tables, windows[:, j:k]), visible[:, j:k])
+                      for j, k in cache.entry_passes(E)]
+        out = attend_with_sinks(q, parts, self._sinks(q.shape[1]), self.head_dim ** -0.5)
         mark(Step.OPS_ATTENTION, **lt)
         return out
 
@@ -277,16 +274,21 @@ class DeepseekV4Attention(nn.Module):
                                      self._entries(comp, res.pooled, windows))
         return int(pos[-1] + 1) // comp.rate
 
-    def _select(self, x, q_res, pos, keys, visible) -> torch.Tensor:
-        """The indexer's top-k visible entries for each query row -> [rows, E] bool. keys:
-        the indexer's entries, [E, d_I] (one request's chunk) or [rows, E, d_I] (decodes)."""
-        idx, n = self.indexer, x.shape[0]
+    def _select(self, x, q_res, pos, table, windows, visible) -> torch.Tensor:
+        """The indexer's top-k visible entries for each query row -> [rows, E] bool, scoring
+        the indexer's entries of ``windows`` ([E] in one request's table, or [rows, E] in a
+        table per row) a pass at a time (C8: each pass dequantized alone)."""
+        idx, n, cache = self.indexer, x.shape[0], self.cache
         cos, sin = self._rope[0].cos_sin("compress", pos)
-        q = rope_tail(idx.wq_b(q_res).view(n, idx.n_heads, idx.head_dim), cos[:, None], sin[:, None])
+        q = rope_tail(idx.wq_b(q_res).view(n, idx.n_heads, idx.head_dim), cos[:, None], sin[:, None]).float()
         weights = idx.weights_proj(x.float()) * idx.head_scale  # [rows, H_I]
-        # relu, then the scale, then the weighted sum over heads: the reference's order
-        scores = torch.relu(torch.matmul(q.float(), keys.float().transpose(-1, -2))) * idx.head_dim ** -0.5
-        scores = idx.tp.all_reduce((scores * weights[..., None]).sum(dim=1).contiguous(), Step.MODEL_INDEXER_TOPK)
+        scores = []
+        for j, k in cache.entry_passes(windows.shape[-1]):
+            keys = cache.entries("index_state", table, windows[..., j:k])
+            # relu, then the scale, then the weighted sum over heads: the reference's order
+            s = torch.relu(torch.matmul(q, keys.float().transpose(-1, -2))) * idx.head_dim ** -0.5
+            scores.append(idx.tp.all_reduce((s * weights[..., None]).sum(dim=1).contiguous(), Step.MODEL_INDEXER_TOPK))
+        scores = torch.cat(scores, dim=-1)
         top = scores.masked_fill(~visible, float("-inf")).topk(min(idx.topk, visible.shape[1]), dim=-1).indices
         return torch.zeros_like(visible).scatter_(1, top, True)
 
