@@ -276,9 +276,11 @@ def cmd_trace(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except Exception as e:  # network errors, a server without --trace: say so, no traceback
         print(f"lane trace: {e}", file=sys.stderr)
         return 1
+    from lane.tracing import coverage_line
+
     recorded = [s for s in trace["spans"] if not s.get("skipped")]
-    print(f"request {trace['request_id']}: {len(recorded)} spans, "
-          f"{len(trace['spans']) - len(recorded)} skipped steps")
+    print(f"request {trace['request_id']}: {len(recorded)} spans")
+    print(coverage_line(trace["spans"]))
     print(f"wrote {json_path} (Perfetto / chrome://tracing) and {html_path}")
     return 0
 
@@ -374,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     px.add_argument("--prefiller-ports", nargs="+", type=int, required=True)
     px.add_argument("--decoder-hosts", nargs="+", default=["127.0.0.1"])
     px.add_argument("--decoder-ports", nargs="+", type=int, required=True)
+    px.add_argument("--health-interval", type=float, default=1.0,
+                    help="seconds between two /health checks of every instance (step 57 in a trace)")
     ex = sub.add_parser("explain", help="which implementation and attention backend a model gets, and its KV layout")
     ex.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                     help="HF model directory or .gguf file (default: the embedded SmolLM2)")
@@ -404,6 +408,9 @@ def main(argv: list[str] | None = None) -> int:
     tm.add_argument("--shape", default=None, choices=["llama-3.2-1b", "llama-3.2-3b"],
                     help="llama only: a full-size random Llama of this Llama-3.2 shape (SmolLM2's vocabulary), "
                          "in bf16, written one tensor at a time")
+    tm.add_argument("--seed-shape", action="store_true",
+                    help="deepseek_v4 only: V4-Flash's layer pattern scaled down (2 sliding-window layers, then CSA "
+                         "and HCA alternating, HCA rate 128; 6 layers), the seed deployment's model")
     tm.add_argument("--mtp-draft", default=None, metavar="DIR",
                     help="DeepSeek only: write the MTP layers as a separate draft checkpoint here (DeepSeekMTPModel / "
                          "DeepSeekV4MTPModel), for --speculative-config '{\"method\": \"mtp\", \"model\": DIR}'")
@@ -429,7 +436,9 @@ def main(argv: list[str] | None = None) -> int:
         from lane.entrypoints.tiny_model import write_tiny_model
 
         try:
-            print(f"wrote {write_tiny_model(args.arch, args.out_dir, args.seed, fp8=args.fp8, shape=args.shape)}")
+            out = write_tiny_model(args.arch, args.out_dir, args.seed, fp8=args.fp8, shape=args.shape,
+                                   seed_shape=args.seed_shape)
+            print(f"wrote {out}")
             if args.mtp_draft:
                 from lane.entrypoints.tiny_model import split_mtp_draft
 
@@ -444,13 +453,15 @@ def main(argv: list[str] | None = None) -> int:
 
         if not 0 < args.port < 65536:
             px.error(f"--port must be in [1, 65535], got {args.port}")
+        if not 0 < args.health_interval <= 3600:
+            px.error(f"--health-interval must be in (0, 3600] seconds, got {args.health_interval}")
         try:
             prefill = urls(args.prefiller_hosts, args.prefiller_ports, "prefiller")
             decode = urls(args.decoder_hosts, args.decoder_ports, "decoder")
         except ValueError as e:
             px.error(str(e))
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-        run_proxy(args.host, args.port, prefill, decode)
+        run_proxy(args.host, args.port, prefill, decode, args.health_interval)
         return 0
     if args.command == "generate":
         return cmd_generate(args, gen)

@@ -7,10 +7,15 @@ A request goes twice, with one ``X-Request-Id`` (the instances adopt it, so thei
 2. to a decode instance with those ``kv_transfer_params``; its answer (streamed or not) is
    the client's.
 
-Every instance's ``/health`` is checked each second; a dead one leaves the rotation (and comes
-back when healthy); with no prefill or no decode instance left, requests get 503. A client that
+Every instance's ``/health`` is checked each ``--health-interval`` seconds (1 by default); a dead
+one leaves the rotation (and comes back when healthy); with no prefill or no decode instance
+left, requests get 503. A client that
 leaves during either leg cancels that leg (the instance aborts it and frees its blocks; the
 prefill side's kept blocks are freed once pulled, or at its connector's timeout).
+
+The proxy keeps spans of its own (on the instances' clock, CLOCK_MONOTONIC): step 13 for each
+request (which instances it picked), step 57 for each health check and step 56 for each scrape
+of its /metrics. ``GET /v1/traces/ID`` merges them with both instances' traces of the request.
 """
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from lane.entrypoints.openai_serving import error_body
+from lane.tracing import Span, Step, TraceStore, span_dict
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +67,9 @@ def _error(status: int, message: str, kind: str = "ServiceUnavailableError") -> 
 
 
 class Proxy:
-    def __init__(self, prefill: list[str], decode: list[str]) -> None:
+    def __init__(self, prefill: list[str], decode: list[str], health_interval_s: float = HEALTH_INTERVAL_S) -> None:
+        self.health_interval_s = health_interval_s
+        self.spans = TraceStore()  # the proxy's own: step 13 per request; 56, 57 in the background
         self.prefill = Pool([Instance("prefill", u) for u in prefill])
         self.decode = Pool([Instance("decode", u) for u in decode])
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(600, connect=5))
@@ -76,19 +84,21 @@ class Proxy:
         return self.prefill.instances + self.decode.instances
 
     async def check_health(self) -> None:
-        """Each instance's /health, every HEALTH_INTERVAL_S (seed step 57, from the router's side)."""
+        """Each instance's /health, every health_interval_s (seed step 57, from the router's side)."""
         while True:
             await asyncio.gather(*(self._check(i) for i in self.instances))
-            await asyncio.sleep(HEALTH_INTERVAL_S)
+            await asyncio.sleep(self.health_interval_s)
 
     async def _check(self, inst: Instance) -> None:
-        was = inst.healthy
+        was, t0 = inst.healthy, time.monotonic()
         try:
             r = await self.client.get(inst.url + "/health", timeout=1.0)
             inst.healthy, inst.last_error = r.status_code == 200, "" if r.status_code == 200 else f"HTTP {r.status_code}"
         except httpx.HTTPError as e:
             inst.healthy, inst.last_error = False, type(e).__name__
         inst.checked = time.monotonic()
+        self.spans.add(Span(Step.HEALTH_PROBE, t0, inst.checked - t0, None,
+                            {"instance": "proxy", "probed": f"{inst.role} {inst.url}", "healthy": inst.healthy}))
         self.up.labels(inst.role, inst.url).set(int(inst.healthy))
         if was != inst.healthy:
             (logger.info if inst.healthy else logger.warning)(
@@ -102,12 +112,15 @@ class Proxy:
             return _error(400, f"malformed JSON body: {e}", "BadRequestError")
         if not isinstance(body, dict):
             return _error(400, "the body must be a JSON object", "BadRequestError")
+        t_pick = time.monotonic()
         p, d = self.prefill.pick(), self.decode.pick()
         if p is None or d is None:
             self.requests.labels("no_instance").inc()
             missing = "prefill" if p is None else "decode"
             return _error(503, f"no healthy {missing} instance (lane proxy checks each one's /health every second)")
         rid = raw.headers.get("x-request-id") or uuid.uuid4().hex
+        self.spans.add(Span(Step.DP_ROUTE, t_pick, time.monotonic() - t_pick, [rid],
+                            {"instance": "proxy", "prefill": p.url, "decode": d.url}))
         headers = {"X-Request-Id": rid}
         if auth := raw.headers.get("authorization"):
             headers["Authorization"] = auth
@@ -163,8 +176,10 @@ class Proxy:
                                  headers={"X-Request-Id": headers["X-Request-Id"], "X-Decode-Instance": d.url})
 
     async def trace(self, request_id: str) -> Response:
-        """Both instances' spans of one request, on one time axis (CLOCK_MONOTONIC is one clock
-        for the processes of a machine), each span saying which instance it ran on."""
+        """Both instances' spans of one request and the proxy's, on one time axis (CLOCK_MONOTONIC
+        is one clock for the processes of a machine), each span saying where it ran; with the
+        proxy's health checks and scrapes that ran while the request was in flight. A step some
+        part skipped but another ran counts as run."""
         merged, found = [], None
         for inst in self.instances:
             try:
@@ -181,6 +196,14 @@ class Proxy:
         if found is None:
             return _error(404, f"no instance holds a trace of {request_id} (are they started with --trace?)",
                           "NotFoundError")
+        own = self.spans.requests.get(request_id) or self.spans.requests.get(request_id.partition("-")[2]) or []
+        merged += [span_dict(s) for s in own]
+        timed = [s for s in merged if not s.get("skipped") and s["step"] >= 10]
+        t0, t1 = min(s["start"] for s in timed), max(s["start"] + s["dur"] for s in timed)
+        merged += [span_dict(s) for s in self.spans.background if t0 <= s.start <= t1]
+        ran = {s["step"] for s in merged if not s.get("skipped")}
+        reasons = {s["step"]: s for s in merged if s.get("skipped") and s["step"] not in ran}
+        merged = [s for s in merged if not s.get("skipped")] + list(reasons.values())
         merged.sort(key=lambda s: (s["start"], s["step"]))
         return JSONResponse({**found, "spans": merged})
 
@@ -223,7 +246,11 @@ def build_app(proxy: Proxy) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        return Response(generate_latest(proxy.registry), media_type="text/plain; version=0.0.4")
+        t0 = time.monotonic()
+        body = generate_latest(proxy.registry)
+        proxy.spans.add(Span(Step.METRICS_PUBLISH, t0, time.monotonic() - t0, None,
+                             {"instance": "proxy", "bytes": len(body)}))
+        return Response(body, media_type="text/plain; version=0.0.4")
 
     return app
 
@@ -236,7 +263,8 @@ def urls(hosts: list[str], ports: list[int], what: str) -> list[str]:
     return [f"http://{h}:{p}" for h, p in zip(hosts, ports)]
 
 
-def run(host: str, port: int, prefill: list[str], decode: list[str]) -> None:
-    proxy = Proxy(prefill, decode)
+def run(host: str, port: int, prefill: list[str], decode: list[str],
+        health_interval_s: float = HEALTH_INTERVAL_S) -> None:
+    proxy = Proxy(prefill, decode, health_interval_s)
     logger.info("lane proxy on http://%s:%d: prefill %s, decode %s", host, port, ", ".join(prefill), ", ".join(decode))
     uvicorn.run(build_app(proxy), host=host, port=port, log_level="warning")

@@ -76,6 +76,15 @@ DEEPSEEK_V4 = dict(
                   "beta_fast": 32, "beta_slow": 1},
     max_position_embeddings=1048576, num_nextn_predict_layers=1)
 TINY["deepseek_v4"] = ("DeepseekV4Config", "DeepseekV4ForCausalLM", DEEPSEEK_V4)
+# --seed-shape: V4-Flash's layer pattern, scaled down (DEEPSEEK_V4.md §1): two sliding-window
+# layers, then CSA (rate 4) and HCA (rate 128) alternating; hash routing in the first three
+# layers; a 128-token window; 8 experts, so 4 EP ranks hold 2 each
+SEED_SHAPE_V4 = dict(
+    num_hidden_layers=6, sliding_window=128,
+    layer_types=["sliding_attention", "sliding_attention", "compressed_sparse_attention",
+                 "heavily_compressed_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+    mlp_layer_types=["hash_moe", "hash_moe", "hash_moe", "moe", "moe", "moe"],
+    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128})
 FP8_BLOCK = (32, 32)  # small blocks so a tiny weight spans several, some partial (releases use 128)
 
 # Llama-3.2's shapes (meta-llama/Llama-3.2-{1B,3B}'s config.json) with SmolLM2's vocabulary
@@ -203,7 +212,7 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def write_tiny_model(arch: str, out_dir: str, seed: int = 0, fp8: bool = False, shape: str | None = None,
-                     **overrides) -> str:
+                     seed_shape: bool = False, **overrides) -> str:
     import torch
     import transformers
     from safetensors.torch import load_file, save_file
@@ -218,6 +227,10 @@ def write_tiny_model(arch: str, out_dir: str, seed: int = 0, fp8: bool = False, 
         if fp8:
             raise ValueError("--shape writes bf16 weights; --fp8 is for DeepSeek")
         return write_llama_shape(shape, out_dir, seed, show_progress=True, **overrides)
+    if seed_shape:
+        if arch != "deepseek_v4":
+            raise ValueError("--seed-shape is for deepseek_v4 (V4-Flash's layer pattern)")
+        overrides = {**SEED_SHAPE_V4, **overrides}
     if fp8 and not arch.startswith("deepseek"):
         raise ValueError("--fp8 is for the DeepSeek architectures (released FP8 block-quantised)")
     cfg_name, model_name, fields = TINY[arch]
@@ -242,7 +255,12 @@ def write_tiny_model(arch: str, out_dir: str, seed: int = 0, fp8: bool = False, 
     if arch == "deepseek_v4":
         main = os.path.join(out_dir, "model.safetensors")
         tensors = load_file(main)
+        if seed_shape:
+            _seed_shape_drafts_well(tensors)
+            save_file(tensors, main, metadata={"format": "pt"})
         mtp = _v4_mtp_tensors(tensors, config)
+        if seed_shape:
+            _seed_shape_drafts_well(tensors, mtp)
         if fp8:
             save_file(quantize_checkpoint(tensors, FP8_BLOCK, _V4_FP8, ".scale"), main, metadata={"format": "pt"})
             mtp = quantize_checkpoint(mtp, FP8_BLOCK, _V4_FP8, ".scale")
@@ -338,6 +356,27 @@ def _mtp_tensors(tensors: dict, config) -> dict:
     out[mtp + "shared_head.head.weight"] = 0.1 * torch.randn(config.vocab_size, h)
     out[mtp + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
     return out
+
+
+def _seed_shape_drafts_well(tensors: dict, mtp: dict | None = None) -> None:
+    """A random MTP layer never drafts the random model's next token (acceptance 0), so the
+    seed shape's is built to guess it: the MTP layer reads the next token's embedding straight
+    (e_proj = I, h_proj = 0) through the main model's hc_head and final norm, i.e. drafts what
+    the main model would say after that token were its layers silent; the main model's layers
+    write small updates (output projections x 0.05). Its drafts are then right about a third
+    of the time, while every layer still moves the argmax (most tokens differ from the guess)."""
+    import torch
+
+    if mtp is None:
+        for k in tensors:
+            if k.endswith(("attn.wo_b.weight", ".w2.weight")):
+                tensors[k] = tensors[k] * 0.05
+        return
+    D = tensors["model.norm.weight"].shape[0]
+    mtp.update({"mtp.0.e_proj.weight": torch.eye(D), "mtp.0.h_proj.weight": torch.zeros(D, D),
+                "mtp.0.enorm.weight": torch.ones(D), "mtp.0.norm.weight": tensors["model.norm.weight"].clone()})
+    for x in ("fn", "base", "scale"):
+        mtp[f"mtp.0.hc_head_{x}"] = tensors[f"model.hc_head.hc_{x}"].clone()
 
 
 def _v4_mtp_tensors(tensors: dict, config) -> dict:

@@ -18,23 +18,29 @@ def _rank(s: dict) -> int:
 
 
 def chrome_trace(trace: dict) -> dict:
-    """Trace-event JSON: one track (thread) per lane (and per lane of each further rank's
-    spans), times in µs from the request's start; args.step and args.request_id on every
-    event; a skipped step is an instant event whose args.skipped gives the reason."""
+    """Trace-event JSON: one process per instance (behind lane proxy: the proxy, prefill and
+    decode; else one), one track (thread) per lane of each rank, times in µs from the request's
+    start; args.step and args.request_id on every event; a skipped step is an instant event
+    whose args.skipped gives the reason."""
     spans, rid = trace["spans"], trace["request_id"]
     t0 = _t0(spans)
-    events: list[dict] = [{"ph": "M", "pid": 1, "name": "process_name",
-                           "args": {"name": f"lane request {rid}"}}]
-    for rank in sorted({_rank(s) for s in spans} | {0}):
-        for i, lane in enumerate(LANES):
-            tid = rank * len(LANES) + i
-            name = lane if rank == 0 else f"{lane} (rank {rank})"
-            events.append({"ph": "M", "pid": 1, "tid": tid, "name": "thread_name", "args": {"name": name}})
-            events.append({"ph": "M", "pid": 1, "tid": tid, "name": "thread_sort_index", "args": {"sort_index": tid}})
+    instances = sorted({s.get("attrs", {}).get("instance", "") for s in spans})
+    events: list[dict] = []
+    for pid, inst in enumerate(instances, 1):
+        events.append({"ph": "M", "pid": pid, "name": "process_name",
+                       "args": {"name": f"lane request {rid}" + (f" · {inst}" if inst else "")}})
+        for rank in sorted({_rank(s) for s in spans if s.get("attrs", {}).get("instance", "") == inst} | {0}):
+            for i, lane in enumerate(LANES):
+                tid = rank * len(LANES) + i
+                name = lane if rank == 0 else f"{lane} (rank {rank})"
+                events.append({"ph": "M", "pid": pid, "tid": tid, "name": "thread_name", "args": {"name": name}})
+                events.append({"ph": "M", "pid": pid, "tid": tid, "name": "thread_sort_index",
+                               "args": {"sort_index": tid}})
     for s in spans:
         args = {"step": s["step"], "request_id": rid, "lane": s["lane"], "phase": PHASES[s["phase"]],
                 "pid": s.get("pid", 0), **s.get("attrs", {})}
-        ev = {"name": f'{s["step"]} {s["name"]}', "cat": PHASES[s["phase"]], "pid": 1,
+        ev = {"name": f'{s["step"]} {s["name"]}', "cat": PHASES[s["phase"]],
+              "pid": instances.index(s.get("attrs", {}).get("instance", "")) + 1,
               "tid": _rank(s) * len(LANES) + LANES.index(s["lane"]), "ts": round((s["start"] - t0) * 1e6, 3),
               "args": args}
         if s.get("skipped"):
@@ -47,14 +53,43 @@ def chrome_trace(trace: dict) -> dict:
             "metadata": {"request_id": rid, "model": trace.get("model"), "clock": "CLOCK_MONOTONIC"}}
 
 
+def _where(s: dict) -> str:
+    """Where a span ran: its instance's role (behind lane proxy) and rank, "" for a lone rank 0."""
+    inst = s.get("attrs", {}).get("instance", "")
+    return " ".join(x for x in (inst.split(" ")[0], f"r{_rank(s)}" if "rank" in s.get("attrs", {}) else "") if x)
+
+
+def page_spans(spans: list[dict]) -> list[dict]:
+    """The spans the page draws: a rank's span that does what rank 0's does (the k-th span of a
+    step, in one instance) joins rank 0's box (``ranks``: each rank's duration); the rest stand
+    alone. Each says where it ran (``where``: instance role and ranks)."""
+    out, first, seen = [], {}, {}
+    for s in sorted(spans, key=lambda s: (s["start"], s["step"])):
+        inst = s.get("attrs", {}).get("instance", "")
+        key = (inst, s["step"], bool(s.get("skipped")))
+        k = seen[key + (_rank(s),)] = seen.get(key + (_rank(s),), -1) + 1
+        s = dict(s, where=_where(s), ranks={_rank(s): s["dur"]})
+        head = first.get(key + (k,))
+        if head is not None and _rank(s) not in head["ranks"]:
+            head["ranks"][_rank(s)] = s["dur"]
+            head["dur"] = max(head["dur"], s["dur"])
+            head["where"] = " ".join(filter(None, (inst.split(" ")[0], "r" + ",".join(map(str, sorted(head["ranks"]))))))
+            continue
+        first.setdefault(key + (k,), s)
+        out.append(s)
+    return out
+
+
 def html_page(trace: dict) -> str:
     """The swimlane page: ten lanes left to right, time downwards, phase bands, numbered
-    boxes with durations, arrows where work passes between lanes, TTFT at step 40. Over
-    several ranks it draws rank 0's (the others do the same work at the same time; their
-    spans are in the trace JSON, on tracks of their own)."""
-    spans = [s for s in trace["spans"] if _rank(s) == 0]
+    boxes with durations and where each ran (instance, ranks), arrows where work passes
+    between lanes, TTFT at step 40. The ranks of one step (the k-th span of it in an instance)
+    share a box; its hover gives each rank's time. The header says which steps ran."""
+    from lane.tracing.steps import coverage_line
+
+    spans = page_spans(trace["spans"])
     data = {"request_id": trace["request_id"], "model": trace.get("model"), "spans": spans,
-            "lanes": list(LANES), "phases": list(PHASES),
+            "lanes": list(LANES), "phases": list(PHASES), "coverage": coverage_line(trace["spans"]),
             "catalogue": {n: [s.lane, s.span, s.what] for n, s in STEPS.items()}}
     payload = json.dumps(data).replace("</", "<\\/")
     return _PAGE.replace("__TITLE__", html.escape(f"lane trace {trace['request_id']}")).replace("__DATA__", payload)
@@ -75,6 +110,7 @@ header h1 { font-size: 15px; margin: 0 0 4px 0; }
 .step { position: absolute; height: 17px; border-radius: 3px; padding: 0 4px; box-sizing: border-box;
         white-space: nowrap; overflow: hidden; text-overflow: ellipsis; border: 1px solid rgba(0,0,0,.25); cursor: default; }
 .step b { margin-right: 3px; }
+.step .where { font-size: 10px; color: #333; background: rgba(255,255,255,.6); border-radius: 2px; padding: 0 2px; margin-right: 3px; }
 .step.skipped { background: #e4e4e4 !important; color: #888; border-style: dashed; }
 .time { position: absolute; left: 24px; width: 76px; text-align: right; color: #666; font-variant-numeric: tabular-nums; }
 .ttft { position: absolute; left: 0; right: 0; border-top: 2px solid #d62728; }
@@ -122,11 +158,16 @@ rows.forEach((list, p) => {
     box.style.left = laneX(s.lane) + "px"; box.style.top = y + "px"; box.style.width = (LANE_W - 6) + "px";
     box.style.background = COLORS[DATA.lanes.indexOf(s.lane)];
     const dur = s.skipped ? "skipped: " + s.skipped : (s.dur * 1000 >= 0.01 ? (s.dur * 1000).toFixed(2) + " ms" : "");
-    box.innerHTML = "<b>" + s.step + "</b>" + s.name + " <i>" + dur + "</i>";
+    box.dataset.where = s.where;
+    box.innerHTML = "<b>" + s.step + "</b>" + (s.where ? "<span class=\"where\">" + s.where + "</span>" : "")
+      + s.name + " <i>" + dur + "</i>";
+    const perRank = Object.keys(s.ranks || {}).length > 1 ? "\nranks: " + Object.entries(s.ranks).map(([r, d]) =>
+      "r" + r + " " + (d * 1000).toFixed(3) + " ms").join(", ") : "";
     const attrs = Object.entries(s.attrs || {}).map(([k, v]) => k + ": " + JSON.stringify(v)).join("\n");
     box.title = s.step + " " + s.name + " (" + s.lane + ") - " + (DATA.catalogue[s.step] || ["", "", ""])[2] + "\n"
       + (s.skipped ? "skipped: " + s.skipped : "start +" + ((s.start - t0) * 1000).toFixed(3) + " ms, "
-      + (s.dur * 1000).toFixed(3) + " ms") + (attrs ? "\n" + attrs : "");
+      + (s.dur * 1000).toFixed(3) + " ms") + (s.where ? "\nran on: " + s.where : "") + perRank
+      + (attrs ? "\n" + attrs : "");
     chart.appendChild(box);
     if (!s.skipped) {
       const t = document.createElement("div"); t.className = "time"; t.style.top = y + "px";
@@ -166,7 +207,8 @@ for (let i = 1; i < placed.length; i++) {  // work passing from one lane to anot
 }
 const decodes = timed.filter(s => s.step === 43).length, chunks = timed.filter(s => s.step === 17).length;
 const hit = timed.filter(s => s.step === 16).map(s => (s.attrs || {}).hit_tokens || 0).reduce((a, b) => a + b, 0);
-document.getElementById("summary").textContent = "model " + (DATA.model || "?") + " · " + timed.length
+document.getElementById("summary").textContent = DATA.coverage.split("\n")[0] + " · model " + (DATA.model || "?")
+  + " · " + timed.length
   + " spans, " + DATA.spans.filter(s => s.skipped).length + " skipped steps · prefill chunks " + chunks
   + " · prefix-cache hit " + hit + " tokens · decode steps " + decodes
   + (ttftEnd !== null && sendSpan ? " · TTFT " + ((ttftEnd - sendSpan.start) * 1000).toFixed(1) + " ms" : "")

@@ -130,11 +130,12 @@ def skipped_steps(hf_config, tensor_parallel_size: int = 1, speculative: bool = 
     return out
 
 
-
-
 def occasional_steps(eplb_config=None, kv_transfer_config=None) -> dict[int, str]:
     """Background steps that run every so often, and why a request's trace may hold none."""
-    out: dict[int, str] = {}
+    out: dict[int, str] = {
+        Step.METRICS_PUBLISH: "no /metrics scrape while this request was in flight (a scrape is step 56)",
+        Step.HEALTH_PROBE: "no /health probe while this request was in flight (lane proxy probes each "
+                           "instance every --health-interval seconds)"}
     if kv_transfer_config is not None:
         out[Step.KV_TRANSFER] = (f"{kv_transfer_config.kv_connector} moved no KV for this request (a prompt of a "
                                  f"block or less, or none stored for it)")
@@ -143,3 +144,17 @@ def occasional_steps(eplb_config=None, kv_transfer_config=None) -> dict[int, str
         out[Step.EPLB_COLLECT] = f"EPLB collects expert heat every {n} engine steps; none while this request ran"
         out[Step.EPLB_REBALANCE] = f"EPLB rearranges experts every {n} engine steps; none while this request ran"
     return out
+
+
+def coverage(spans: list[dict]) -> tuple[list[int], dict[int, str]]:
+    """A trace's spans (as dicts) -> (the steps it recorded, {every other step: why not})."""
+    ran = sorted({s["step"] for s in spans if not s.get("skipped")})
+    why = {s["step"]: s["skipped"] for s in spans if s.get("skipped")}
+    return ran, {n: why.get(n, "no span recorded and no reason given") for n in STEPS if n not in ran}
+
+
+def coverage_line(spans: list[dict]) -> str:
+    """"57/57 steps recorded", or the count and each missing step with its reason."""
+    ran, missing = coverage(spans)
+    line = f"{len(ran)}/{len(STEPS)} steps recorded"
+    return line + "".join(f"\n  missing {n} {STEPS[n].span}: {why}" for n, why in missing.items())
