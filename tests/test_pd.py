@@ -317,31 +317,6 @@ def test_multi_connector_tries_its_connectors_in_order(tiny, secret, tmp_path):
 
 # -- served: prefill and decode lane serve behind lane proxy ----------------------------------------
 
-def _start_proxy(prefill_port: int, decode_port: int):
-    import subprocess
-    import sys
-    import time
-
-    import httpx2 as httpx
-
-    from utils import free_port
-
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "lane.entrypoints.cli", "proxy", "--port", str(port),
-                             "--prefiller-ports", str(prefill_port), "--decoder-ports", str(decode_port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else "timeout"
-        time.sleep(0.2)
-
-
 def test_proxy_prefill_and_decode_instances_answer_as_one(plain_server, monkeypatch):
     """SmolLM2 (float32, --quantization none) served as a prefill and a decode instance joined by
     the TCP connector, behind lane proxy: the text equals one instance's, streamed and not, for
@@ -356,7 +331,7 @@ def test_proxy_prefill_and_decode_instances_answer_as_one(plain_server, monkeypa
     import openai
 
     from conftest import PLAIN_SERVER_ARGS
-    from utils import RemoteServer, free_port
+    from utils import RemoteServer, free_port, start_proxy
 
     monkeypatch.setenv("LANE_RPC_SECRET", SECRET)
     common = [*PLAIN_SERVER_ARGS, "--trace"]
@@ -364,7 +339,7 @@ def test_proxy_prefill_and_decode_instances_answer_as_one(plain_server, monkeypa
     with RemoteServer([*common, "--kv-transfer-config",
                        json.dumps(_tcp("kv_producer", kv_port, abort_timeout_s=2.0))]) as p, \
             RemoteServer([*common, "--kv-transfer-config", json.dumps(_tcp("kv_consumer", free_port()))]) as d:
-        proxy, url = _start_proxy(p.port, d.port)
+        proxy, url = start_proxy(p.port, d.port)
         try:
             one = plain_server.client()
             via = openai.OpenAI(base_url=url + "/v1", api_key="none", timeout=60)

@@ -85,6 +85,43 @@ class RemoteServer:
         self.stop()
         os.unlink(self.log.name)
 
+def start_proxy(prefill_port: int, decode_port: int, *args: str) -> tuple[subprocess.Popen, str]:
+    """A real `lane proxy` in front of one prefill and one decode instance: (its process, its URL)."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "lane.entrypoints.cli", "proxy", "--port", str(port),
+                             "--prefiller-ports", str(prefill_port), "--decoder-ports", str(decode_port), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.poll() else "timeout"
+        time.sleep(0.2)
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process under ``pid`` (from /proc's parent links)."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().split(")")[-1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    out, todo = set(), [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.add(c)
+            todo.append(c)
+    return out
+
+
 def metric(text: str, name: str, **labels) -> float:
     """Sum of a metric's samples whose labels include the given ones."""
     total, found = 0.0, False

@@ -200,6 +200,8 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         out = self.runner.execute_model(scheduler_output)
-        if self.eplb is not None:  # steps 53-54 when their step comes; the stats when they changed
+        # steps 53-54 when their step comes; the stats when they changed. A connector-only step
+        # (no forward) is no step: in lock-step the replicas' counts (and collectives) must agree
+        if self.eplb is not None and scheduler_output.total_num_scheduled_tokens:
             out.eplb_stats = self.eplb.step()
         return out
