@@ -60,7 +60,11 @@ def test_engine_greedy_equals_transformers(tiny, hf):
     assert "KimiLinearForCausalLM" in text and "not snapshotted" in text
 
 
-def test_speculation_refused_by_name(tiny):
+def test_speculation_and_pd_refused_by_name(tiny, tmp_path):
     with pytest.raises(ValueError, match="delta-rule state cannot step back"):
         LLM(tiny, dtype="float32", speculative_config={"method": "ngram", "num_speculative_tokens": 2},
             kv_cache_memory_bytes=16 << 20, max_model_len=256, show_progress=False)
+    with pytest.raises(ValueError, match="--kv-transfer-config: KimiLinearForCausalLM's delta-rule state cannot be"):
+        LLM(tiny, dtype="float32", kv_cache_memory_bytes=16 << 20, max_model_len=256, show_progress=False,
+            kv_transfer_config={"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                                "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)}})

@@ -365,7 +365,9 @@ def test_proxy_prefill_and_decode_instances_answer_as_one(plain_server, monkeypa
             moved = [s for s in trace["spans"] if s["step"] == 55 and not s.get("skipped")]
             assert {(s["attrs"]["instance"].split()[0], s["attrs"]["direction"]) for s in moved} == {
                 ("prefill", "serve"), ("decode", "pull")}
-            assert {s["attrs"]["instance"].split()[0] for s in trace["spans"]} == {"prefill", "decode"}
+            assert {s["attrs"]["instance"].split()[0] for s in trace["spans"]} == {"prefill", "decode", "proxy"}
+            routed = [s for s in trace["spans"] if s["step"] == 13 and s["attrs"]["instance"] == "proxy"]
+            assert len(routed) == 1 and routed[0]["attrs"]["decode"] == d.url
             # a client gone between the legs: the prefill instance's kept blocks expire; one gone during
             # the decode leg: the decode instance aborts; nothing stays held on either side
             r = httpx.post(p.url + "/v1/completions", json={**kw, "prompt": prompt, "max_tokens": 1,

@@ -31,6 +31,7 @@ def traces(tmp_path_factory):
                                capture_output=True, text=True, timeout=300)
             assert r.returncode == 0, r.stderr
             runs.append(json.loads((out / name / "trace.json").read_text()))
+            (out / name / "stdout.txt").write_text(r.stdout)
         # greedy SmolLM2 answers this one with EOS at once: a first chunk with no text
         r = subprocess.run([*LANE, "trace", EOS_AT_ONCE, "--base-url", s.url, "--output-dir", str(out / "eos")],
                            capture_output=True, text=True, timeout=300)
@@ -65,6 +66,11 @@ def test_trace_holds_every_step_in_order(traces):
     assert "index_topk" in skipped[25] and "speculative decoding off" == skipped[45]
     assert "PD disaggregation off" == skipped[55] and "dense model" in skipped[29]
     assert {41, 42, 43, 44, 49, 50, 51, 52} <= recorded
+    # lane trace counts the steps recorded and names each missing one with its reason
+    said = (traces[2] / "first" / "stdout.txt").read_text()
+    assert f"{len(recorded)}/57 steps recorded" in said
+    assert "missing 45 model.mtp_draft: speculative decoding off" in said
+    assert all(f"missing {n} " in said for n in set(range(1, 58)) - recorded)
     attention = events(first, 27)[0]["args"]
     assert attention["backend"] == "paged_sdpa" and attention["layers"] == 30
     # the prompt went in ceil(tokens / budget) chunks

@@ -59,14 +59,26 @@ echo "all up"
 step "3. lane bench through the proxy: random $PROMPT_TOKENS in / 64 out, $NUM_PROMPTS prompts, 2 at a time"
 lane bench --base-url "http://127.0.0.1:$PROXY" --model seed --tokenizer "$MODEL" --dataset-name random \
   --random-input-len "$PROMPT_TOKENS" --random-output-len 64 --num-prompts "$NUM_PROMPTS" --max-concurrency 2 \
-  --ignore-eos --save-result --result-dir "$OUT" --result-filename bench.json | tail -n 25
+  --ignore-eos --save-result --result-dir "$OUT" --result-filename bench.json \
+  | grep -E "Successful|Failed|Benchmark duration|throughput|Mean TTFT|Mean TPOT|acceptance|results:"
 if command -v ais_bench > /dev/null; then
-  step "3b. AISBench (installed): the synthetic dataset through the proxy"
-  python "$(dirname "$0")/aisbench_config.py" "$OUT" 127.0.0.1 "$PROXY" "$PROMPT_TOKENS" "$NUM_PROMPTS"
-  (cd "$OUT" && ais_bench --models lane_proxy_stream_chat --datasets synthetic_gen --mode perf \
-     --summarizer default_perf --spec-decode --config-dir "$OUT/ais_bench" | tail -n 40) || echo "AISBench failed"
+  # AISBench reads model tasks from its configs/models: one more there, aimed at the proxy
+  step "3b. AISBench ($(command -v ais_bench)) through the proxy: --datasets ${AISBENCH_DATASETS:=synthetic_gen}"
+  python - "$PROXY" "$MODEL" <<'PY'
+import os, sys
+import ais_bench.benchmark.configs.models.vllm_api as d
+with open(os.path.join(os.path.dirname(d.__file__), "lane_seed_proxy.py"), "w") as f:
+    f.write(f"""from ais_bench.benchmark.models import VLLMCustomAPIChat
+models = [dict(attr="service", type=VLLMCustomAPIChat, abbr="lane-seed-proxy", path={sys.argv[2]!r}, model="seed",
+               stream=True, request_rate=0, retry=2, api_key="", host_ip="127.0.0.1", host_port={sys.argv[1]},
+               url="", max_out_len=64, batch_size=2, trust_remote_code=False,
+               generation_kwargs=dict(temperature=0, ignore_eos=True))]
+""")
+PY
+  (cd "$OUT" && ais_bench --models lane_seed_proxy --datasets "$AISBENCH_DATASETS" --mode perf \
+     --summarizer default_perf --spec-decode | tail -n 40) || echo "AISBench failed (see its output above)"
 else
-  echo "(AISBench not installed: pip install ais_bench_benchmark to run it here too)"
+  echo "(AISBench not installed: pip install ais_bench_benchmark, and this step runs it through the proxy too)"
 fi
 
 step "4. one $PROMPT_TOKENS-token request traced through the proxy, /metrics scraped while it runs"

@@ -500,6 +500,11 @@ class EngineConfig:
         if self.speculative_config is not None:
             self.speculative_config.check_model(self.model_config.hf_config,
                                                 (self.model_config.architectures or ["this model"])[0])
+        if self.kv_transfer_config is not None and "linear_attention" in (
+                getattr(self.model_config.hf_config, "layer_types", None) or []):
+            raise ValueError(f"--kv-transfer-config: {(self.model_config.architectures or ['this model'])[0]}'s "
+                             f"delta-rule state cannot be handed over yet (the decode side recomputes the last prompt "
+                             f"token, and this state cannot step back before it); serve it on one instance")
         if (self.kv_transfer_config is not None and self.model_config.block_size_multiple > 1
                 and not self.cache_config.enable_prefix_caching):
             raise ValueError("--kv-transfer-config with compressed attention (DeepSeek V4) needs prefix caching: "
