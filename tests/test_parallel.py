@@ -47,8 +47,7 @@ def _engine_kw(arch: str) -> dict:
 
 @pytest.mark.parametrize("arch,ep,sp,cp", [("llama", False, False, False), ("llama", False, True, False),
                                            ("qwen3", False, False, False), ("qwen3", False, True, False),
-                                           ("qwen3_moe", False, False, False), ("qwen3_moe", True, True, False),
-                                           ("kimi_linear", False, False, False), ("kimi_linear", True, True, False),
+                                           ("qwen3_moe", True, True, False), ("kimi_linear", True, True, False),
                                            ("deepseek_v3", False, False, False), ("deepseek_v3", True, True, False),
                                            ("deepseek_v32", False, True, True), ("glm_moe_dsa", True, True, True),
                                            ("deepseek_v4", False, False, False),

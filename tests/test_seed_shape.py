@@ -4,13 +4,12 @@ two tensor-parallel ranks with expert, sequence and DSA context parallelism, EPL
 the int8 cache, joined by the TCP connector behind lane proxy. One request, prefilled in 4
 chunks, is traced through the proxy while /metrics is scraped: its trace records all 57 steps;
 the deployment's greedy tokens equal one rank of one instance's; EPLB moved experts, the KV
-went over, drafts were accepted; and nothing is left running."""
+went over, drafts were accepted, /metrics labels the cache int8; and nothing is left running."""
 import json
 import threading
 import time
 
 import httpx2 as httpx
-import pytest
 import torch
 
 from lane import LLM, SamplingParams
@@ -83,7 +82,8 @@ def test_seed_deployment_traces_all_57_steps(tmp_path, monkeypatch):
             assert metric(m[p], "lane:eplb_moved_bytes_total") + metric(m[d], "lane:eplb_moved_bytes_total") > 0
             assert metric(m[d], "lane:kv_transfer_bytes_total") > 0
             assert metric(m[d], "vllm:spec_decode_num_accepted_tokens_total") > 0
-            for i in (p, d):  # nothing running or held
+            for i in (p, d):  # the cache labelled as stored; nothing running or held
+                assert 'cache_dtype="int8"' in m[i]
                 assert metric(m[i], "vllm:num_requests_running") == 0
         finally:
             proxy.terminate()
