@@ -36,11 +36,8 @@ class MtpRows:
 class MtpProposer:
     def __init__(self, model: nn.Module, num_speculative_tokens: int,
                  build_metadata: Callable[[CommonAttentionMetadata, list], list],
-                 rows_as_decodes: Callable[[], bool], null_forward: Callable | None = None) -> None:
+                 rows_as_decodes: Callable[[], bool]) -> None:
         self.model = model
-        # lock-step (experts over data-parallel replicas): runs a forward in the null block;
-        # every step then makes exactly k MTP forwards, dummies where it has fewer to make
-        self.null_forward = null_forward
         self.k = num_speculative_tokens
         self.num_layers = model.num_mtp_layers
         self.build_metadata = build_metadata
@@ -62,7 +59,6 @@ class MtpProposer:
             ids.extend(nxt)
             positions.extend(range(p0, p0 + len(nxt)))
         md = self.build_metadata(layout.common(), layout.block_ids)
-        self.forwards += 1
         with set_forward_context(md):
             return self.model.mtp_forward(torch.tensor(ids, dtype=torch.long),
                                           torch.tensor(positions, dtype=torch.long), source, layer)
@@ -81,26 +77,10 @@ class MtpProposer:
                 probs[b] = q
         return tokens, probs
 
-    def pad_forwards(self, done: int, target_hidden: torch.Tensor) -> None:
-        """In lock-step: the MTP forwards this step did not make (of k), on one dummy token."""
-        if self.null_forward is None or done >= self.k:
-            return
-        source = torch.zeros_like(self.model.mtp_source(target_hidden)[:1])
-        ids, pos = torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
-        for j in range(done, self.k):
-            self.null_forward(lambda: self.model.mtp_forward(ids, pos, source, j % self.num_layers))
-
     @torch.inference_mode()
     def propose(self, plan: list[MtpRows], target_hidden: torch.Tensor
                 ) -> dict[str, tuple[list[int], torch.Tensor | None]]:
         """Req id -> (drafts, their MTP probabilities [n, V] or None when greedy)."""
-        self.forwards = 0
-        out = self._propose(plan, target_hidden)
-        self.pad_forwards(self.forwards, target_hidden)
-        return out
-
-    def _propose(self, plan: list[MtpRows], target_hidden: torch.Tensor
-                 ) -> dict[str, tuple[list[int], torch.Tensor | None]]:
         plan = sorted((p for p in plan if p.num_rows), key=lambda p: not self._decode_shaped(p.num_rows))
         if not plan:
             return {}

@@ -73,13 +73,8 @@ class ModelRunner:
             self.ngram = NgramProposer(speculative_config.num_speculative_tokens, speculative_config.prompt_lookup_min,
                                        speculative_config.prompt_lookup_max, max_model_len)
         elif speculative_config is not None:
-            from lane.distributed.parallel_state import get_ep_group, get_tp_group
-
-            # experts spread over data-parallel replicas: every replica's MTP layer must meet the
-            # others' MoE collectives, so each step runs all k MTP forwards (dummies where fewer)
-            lockstep = get_ep_group().world_size > get_tp_group().world_size
             self.mtp = MtpProposer(model, speculative_config.num_speculative_tokens, self._attn_metadata,
-                                   lambda: self._verify_as_decodes, self._null_forward if lockstep else None)
+                                   lambda: self._verify_as_decodes)
 
     # -- step 8: the cache tensors -------------------------------------------
     def get_kv_cache_specs(self) -> dict[str, KVCacheSpec]:
@@ -361,33 +356,16 @@ class ModelRunner:
     def dummy_run(self, num_tokens: int, null_block: bool = False) -> None:
         """One prefill-shaped forward of a request in blocks (and state slot) 1.., not yet
         handed out (at start-up), or of up to a block's tokens in the null block 0, which no
-        request's attention reads (while serving); their cache entries are zeroed again after.
-        In the null block with MTP in lock-step, also the k MTP forwards a step makes."""
+        request's attention reads (while serving); their cache entries are zeroed again after."""
+        bs = self.block_size
+        num_blocks = -(-num_tokens // bs)
         first = 0 if null_block else 1
-        with set_forward_context(self._dummy_metadata(num_tokens, first)):
-            pos = torch.arange(num_tokens)
-            hidden = self.model(torch.zeros(num_tokens, dtype=torch.long), pos)
-            self.model.compute_logits(hidden[-1:])
-        if null_block and self.mtp is not None and self.mtp.null_forward is not None:
-            self.mtp.pad_forwards(0, hidden)
-        self._zero_blocks(first, -(-num_tokens // self.block_size))
-
-    def _dummy_metadata(self, num_tokens: int, first: int):
-        """A request of num_tokens at position 0 in blocks (and state slot) first.."""
-        num_blocks = -(-num_tokens // self.block_size)
-        assert first or num_blocks == 1, "the null block holds one block's tokens"
+        assert not null_block or num_blocks == 1, "the null block holds one block's tokens"
         common = CommonAttentionMetadata(0, [0], [num_tokens], [0], [True])
         ids = tuple([first] if g.kind == STATE else list(range(first, first + num_blocks))
                     for g in self.kv_cache_config.groups)
-        return self._attn_metadata(common, [ids])
-
-    def _zero_blocks(self, first: int, num_blocks: int) -> None:
+        with set_forward_context(self._attn_metadata(common, [ids])):
+            pos = torch.arange(num_tokens)
+            self.model.compute_logits(self.model(torch.zeros(num_tokens, dtype=torch.long), pos)[-1:])
         for t in self.kv_caches.values():
             t[first:first + num_blocks].zero_()
-
-    def _null_forward(self, forward) -> torch.Tensor:
-        """``forward()`` of one token in the null block (then zeroed again)."""
-        with set_forward_context(self._dummy_metadata(1, 0)):
-            out = forward()
-        self._zero_blocks(0, 1)
-        return out
