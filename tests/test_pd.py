@@ -426,3 +426,23 @@ def test_bad_kv_transfer_params_are_a_400(plain_server, params, needle):
     bad_id = httpx.post(plain_server.url + "/v1/completions", json={"model": "smollm", "prompt": "hi", "max_tokens": 2},
                         headers={"X-Request-Id": "no spaces allowed"})
     assert bad_id.status_code == 400 and bad_id.json()["error"]["param"] == "X-Request-Id"
+
+
+def test_connector_only_steps_are_no_eplb_steps(tiny, secret):
+    """A prefill engine waiting for pulls steps its connector alone (no forward): EPLB counts only
+    steps with a forward, so replicas in lock-step (-dp with shared experts, one running such a
+    step and a dummy batch) keep one count and meet in the same collectives."""
+    from utils import free_port
+
+    llm = LLM(tiny["deepseek_v3"], kv_transfer_config=_tcp("kv_producer", free_port(), abort_timeout_s=30.0),
+              enable_expert_parallel=True, enable_eplb=True, eplb_config={"step_interval": 1000}, **KW)
+    try:
+        _prefill(llm, PROMPTS[3])  # its blocks now wait for a pull
+        eplb, engine = llm.engine.worker.eplb, llm.engine
+        steps = eplb.steps
+        for _ in range(5):
+            assert engine.has_unfinished_requests() and not engine.scheduler.has_unfinished()
+            engine.step()
+        assert eplb.steps == steps
+    finally:
+        llm.shutdown()
