@@ -168,9 +168,11 @@ def row_splits(num_rows: int, world: int) -> list[int]:
 class SequenceParallel:
     """Sequence parallelism (``--enable-sequence-parallel``): between attention and the FFN
     each tensor-parallel rank holds only its rows of the residual stream. ``splits``: the
-    rows per rank of the forward under way (set at its start, ``begin``)."""
+    rows per rank of the forward under way (set at its start, ``begin``). ``step``: whether
+    this step's forwards split their rows (the runner's choice, ``sequence_parallel_step``)."""
     enabled: bool = False
     splits: list[int] | None = None
+    step: bool = True
 
 
 _TP = GroupCoordinator("tp", [0], 0)
@@ -222,11 +224,19 @@ def sequence_parallel_enabled() -> bool:
     return _SP.enabled and _TP.world_size > 1
 
 
+def sequence_parallel_step(split_rows: bool) -> None:
+    """Whether the forwards of the coming step split their rows (the runner says, each step). A
+    step with a prompt chunk does; one of decodes and drafts to verify, a few rows a request,
+    keeps every row on every rank: one all-reduce a sublayer where the split costs a
+    reduce-scatter and all-gathers, for rows too few to share out."""
+    _SP.step = split_rows
+
+
 def sequence_parallel_begin(num_rows: int) -> None:
     """A forward of ``num_rows`` rows starts: under sequence parallelism, set the rows each rank
-    will hold."""
+    will hold (None: this step keeps them all)."""
     if sequence_parallel_enabled():
-        _SP.splits = row_splits(num_rows, _TP.world_size)
+        _SP.splits = row_splits(num_rows, _TP.world_size) if _SP.step else None
 
 
 def sequence_parallel_splits() -> list[int] | None:

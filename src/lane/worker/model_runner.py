@@ -17,6 +17,7 @@ import torch.nn as nn
 from lane import platform, tracing
 from lane.attention.metadata import BatchLayout, CommonAttentionMetadata, set_forward_context
 from lane.core.scheduler_output import SchedulerOutput
+from lane.distributed.parallel_state import sequence_parallel_step
 from lane.kv_cache_interface import STATE, KVCacheConfig, KVCacheSpec
 from lane.model_executor.layers.attention import CacheLayer, cache_layers, kv_cache_specs, set_kv_cache_dtype
 from lane.config import SpeculativeConfig
@@ -199,6 +200,8 @@ class ModelRunner:
         if self.connector is not None:  # step 55: blocks another engine computed, before they are read
             self.connector.bind_connector_metadata(so.kv_connector_metadata)
             self.connector.start_load_kv()
+        # sequence parallelism only where a prompt chunk brings rows to share out
+        sequence_parallel_step(any(not s.is_decode and not s.drafts for s in batch))
         with set_forward_context(md):
             hidden = self.model(input_ids, positions)
         kv_out = self._save_kv(so) if self.connector is not None else None
@@ -364,6 +367,7 @@ class ModelRunner:
         common = CommonAttentionMetadata(0, [0], [num_tokens], [0], [True])
         ids = tuple([first] if g.kind == STATE else list(range(first, first + num_blocks))
                     for g in self.kv_cache_config.groups)
+        sequence_parallel_step(True)  # prefill-shaped
         with set_forward_context(self._attn_metadata(common, [ids])):
             pos = torch.arange(num_tokens)
             self.model.compute_logits(self.model(torch.zeros(num_tokens, dtype=torch.long), pos)[-1:])
