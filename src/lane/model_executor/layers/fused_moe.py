@@ -125,10 +125,8 @@ class FusedMoE(nn.Module):
         # expert parallel: whole experts in slots [expert_start, expert_start + local_experts); else a
         # 1/tp slice of every expert's intermediate
         self.ep_size, self.tp_size = ep.world_size, (1 if ep.world_size > 1 else tp.world_size)
-        # the experts span ranks that hold other tokens (data-parallel attention), or every rank holds
-        # its own rows (sequence parallelism with whole experts per rank): each token is routed once,
-        # on its own rank, and dispatched by all-to-all
-        self.all_to_all = ep.world_size > tp.world_size or (ep.world_size > 1 and sequence_parallel_enabled())
+        self._across_replicas = ep.world_size > tp.world_size
+        self._split_rows = ep.world_size > 1 and sequence_parallel_enabled()
         self.ep = ep
         self.tp_rank = tp.rank_in_group if self.tp_size > 1 else 0
         self.local_experts = self.num_physical // self.ep_size
@@ -142,6 +140,14 @@ class FusedMoE(nn.Module):
         self.w2 = nn.Parameter(torch.empty(self.local_experts, hidden_size, inter))
         # tokens routed to each logical expert (a rank counts its own slots) since start-up
         self.register_buffer("expert_counts", torch.zeros(num_experts, dtype=torch.long), persistent=False)
+
+    @property
+    def all_to_all(self) -> bool:
+        """Whether this forward routes each token once, on its own rank, and dispatches it by
+        all-to-all: where the experts span ranks that hold other tokens (data-parallel attention),
+        and under sequence parallelism with whole experts per rank in a step whose rows are split.
+        Otherwise every rank holds every row: each computes its experts' share, one all-reduce sums."""
+        return self._across_replicas or (self._split_rows and sequence_parallel_splits() is not None)
 
     def local_logical(self) -> torch.Tensor:
         """The logical expert of each of this rank's slots [local_experts]."""

@@ -180,7 +180,7 @@ class DeepseekV2MoE(nn.Module):
         return weights, ids
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.experts.all_to_all:  # data-parallel attention: each token routed once, by one rank
+        if self.experts.all_to_all:  # each token routed once, by its own rank (FusedMoE.all_to_all)
             mine = share_rows(self.tp, x)
             routed = self.experts.forward_all_to_all(mine, *self._route(mine))
             shared = self.shared_experts(x) if self.shared_experts is not None else None

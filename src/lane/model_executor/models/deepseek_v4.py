@@ -404,7 +404,7 @@ class V4MoE(nn.Module):
         self.tp = get_tp_group()
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.experts.all_to_all:  # data-parallel attention: each token routed once, by one rank
+        if self.experts.all_to_all:  # each token routed once, by its own rank (FusedMoE.all_to_all)
             mine = share_rows(self.tp, x)
             weights, ids = self.gate(mine, share_rows(self.tp, input_ids))
             tracing.forward_mark()(Step.MODEL_MOE_ROUTE, routing="hash" if self.gate.hashed else "learned")
