@@ -33,28 +33,36 @@ FULL_SIZE = {"DeepSeek V3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
              "DeepSeek V4-Flash": ("DeepseekV4Config", "DeepseekV4ForCausalLM")}
 
 
-def full_size_bytes() -> dict:
-    """Bytes per token kept for the whole context (prefix caching on) of the full-size configs,
-    bf16 and C8, from lane explain on a weightless model."""
+def explain_bytes_per_token(model: str, dtype: str, kind: str) -> float:
+    """Bytes per token kept for the whole context (prefix caching on), as lane explain counts
+    them for a model directory (its config only: a weightless model)."""
     import re
-    import tempfile
-
-    import transformers
 
     from lane.entrypoints.explain import explain
 
-    out = {}
+    text = explain(model, dtype, kv_cache_dtype=kind)
+    return float(re.search(r"per token, all \d+ layers: ([\d,.]+) B", text).group(1).replace(",", ""))
+
+
+def config_bytes_per_token(config: dict, kind: str) -> float:
+    """The same for a config (a dict with ``architectures``), in bf16."""
+    import tempfile
+
     with tempfile.TemporaryDirectory() as d:
-        for name, (cls, arch) in FULL_SIZE.items():
-            cfg = getattr(transformers, cls)().to_dict()
-            cfg["architectures"] = [arch]
-            with open(os.path.join(d, "config.json"), "w") as f:
-                json.dump(cfg, f)
-            out[name] = {}
-            for kind in ("auto", "int8"):
-                text = explain(d, "bfloat16", kv_cache_dtype=kind)
-                out[name]["bf16" if kind == "auto" else kind] = float(
-                    re.search(r"per token, all \d+ layers: ([\d,.]+) B", text).group(1).replace(",", ""))
+        with open(os.path.join(d, "config.json"), "w") as f:
+            json.dump(config, f)
+        return explain_bytes_per_token(d, "bfloat16", kind)
+
+
+def full_size_bytes() -> dict:
+    """Bytes per token kept for the whole context (prefix caching on) of the full-size configs,
+    bf16 and C8, from lane explain on a weightless model."""
+    import transformers
+
+    out = {}
+    for name, (cls, arch) in FULL_SIZE.items():
+        cfg = {**getattr(transformers, cls)().to_dict(), "architectures": [arch]}
+        out[name] = {"bf16" if kind == "auto" else kind: config_bytes_per_token(cfg, kind) for kind in ("auto", "int8")}
     return out
 
 

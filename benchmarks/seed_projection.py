@@ -29,9 +29,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 from collections import defaultdict
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kv_cache_dtype import config_bytes_per_token, explain_bytes_per_token  # noqa: E402
 
 # assumed, per card (one NPU die for Ascend, as vllm-ascend counts ranks); latency: one small
 # collective over the 16 ranks, as collective benchmarks report it; edit to taste
@@ -151,23 +153,6 @@ def read_run(run_dir: str) -> dict:
                 k=max((a["drafts"] for a in verify), default=3))
 
 
-def explain_bytes_per_token(model: str, dtype: str) -> float:
-    """Bytes per token of context kept with an int8 cache, as lane explain counts them."""
-    from lane.entrypoints.explain import explain
-
-    text = explain(model, dtype, kv_cache_dtype="int8")
-    return float(re.search(r"per token, all \d+ layers: ([\d,.]+) B", text).group(1).replace(",", ""))
-
-
-def flash_bytes_per_token(c: dict) -> float:
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as d:
-        with open(os.path.join(d, "config.json"), "w") as f:
-            json.dump({**c, "architectures": ["DeepseekV4ForCausalLM"]}, f)
-        return explain_bytes_per_token(d, "bfloat16")
-
-
 def project(dev: dict, c: dict, run: dict, batch: int, acceptance: float | None) -> dict:
     """Projected ms of each model step, TTFT and TPOT, with each part's share."""
     k = run["k"]
@@ -260,9 +245,9 @@ def main() -> int:
         ap.error("--acceptance must be in [0, 1]")
     run = read_run(args.run_dir)
     c = flash_config()
-    tiny_bpt = explain_bytes_per_token(os.path.join(args.run_dir, "model"), "float32")
+    tiny_bpt = explain_bytes_per_token(os.path.join(args.run_dir, "model"), "float32", "int8")
     run["kv_overhead"] = run["kv_bytes"] / max(1.0, run["prompt"] * tiny_bpt)
-    run["flash_bytes_per_token"] = flash_bytes_per_token(c)
+    run["flash_bytes_per_token"] = config_bytes_per_token({**c, "architectures": ["DeepseekV4ForCausalLM"]}, "int8")
     print(f"measured ({args.run_dir}/trace.json): prompt {run['prompt']} tokens in {run['chunks']} chunks, "
           f"{run['decode_steps']} decode steps, {run['accepted']}/{run['drafts']} drafts accepted, "
           f"KV moved {run['kv_bytes']:,} B ({run['kv_overhead']:.2f}x lane explain's int8 bytes for the prompt), "

@@ -328,6 +328,13 @@ SPECULATIVE_METHODS = ("ngram", "mtp")
 _SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
 
 
+def has_delta_rule_state(hf_config) -> bool:
+    """Whether the model keeps a linear-attention (delta-rule) state, which cannot step back a
+    token: neither rejected drafts nor a PD hand-over (the decode side recomputes the last prompt
+    token) can be served yet."""
+    return "linear_attention" in (getattr(hf_config, "layer_types", None) or [])
+
+
 @dataclass
 class SpeculativeConfig:
     """``--speculative-config`` (vLLM's spelling): draft ``num_speculative_tokens`` tokens a
@@ -372,7 +379,7 @@ class SpeculativeConfig:
         """Refuse a method the model cannot serve, by name; fill in MTP's default depth. A draft
         checkpoint (``model``) must draft for this architecture, at its width; its MTP depth
         becomes the target's (the target builds that many MTP layers, which it then loads)."""
-        if "linear_attention" in (getattr(hf_config, "layer_types", None) or []):
+        if has_delta_rule_state(hf_config):
             raise ValueError(f"--speculative-config: {architecture}'s delta-rule state cannot step back from "
                              f"rejected drafts yet; serve it without speculation")
         if self.method != "mtp":
@@ -500,8 +507,7 @@ class EngineConfig:
         if self.speculative_config is not None:
             self.speculative_config.check_model(self.model_config.hf_config,
                                                 (self.model_config.architectures or ["this model"])[0])
-        if self.kv_transfer_config is not None and "linear_attention" in (
-                getattr(self.model_config.hf_config, "layer_types", None) or []):
+        if self.kv_transfer_config is not None and has_delta_rule_state(self.model_config.hf_config):
             raise ValueError(f"--kv-transfer-config: {(self.model_config.architectures or ['this model'])[0]}'s "
                              f"delta-rule state cannot be handed over yet (the decode side recomputes the last prompt "
                              f"token, and this state cannot step back before it); serve it on one instance")

@@ -117,7 +117,8 @@ class Proxy:
         if p is None or d is None:
             self.requests.labels("no_instance").inc()
             missing = "prefill" if p is None else "decode"
-            return _error(503, f"no healthy {missing} instance (lane proxy checks each one's /health every second)")
+            return _error(503, f"no healthy {missing} instance (lane proxy checks each one's /health every "
+                               f"{self.health_interval_s:g} s)")
         rid = raw.headers.get("x-request-id") or uuid.uuid4().hex
         self.spans.add(Span(Step.DP_ROUTE, t_pick, time.monotonic() - t_pick, [rid],
                             {"instance": "proxy", "prefill": p.url, "decode": d.url}))

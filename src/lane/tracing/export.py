@@ -53,10 +53,14 @@ def chrome_trace(trace: dict) -> dict:
             "metadata": {"request_id": rid, "model": trace.get("model"), "clock": "CLOCK_MONOTONIC"}}
 
 
-def _where(s: dict) -> str:
-    """Where a span ran: its instance's role (behind lane proxy) and rank, "" for a lone rank 0."""
-    inst = s.get("attrs", {}).get("instance", "")
-    return " ".join(x for x in (inst.split(" ")[0], f"r{_rank(s)}" if "rank" in s.get("attrs", {}) else "") if x)
+def _where(s: dict, ranks: list[int] | None = None) -> str:
+    """Where a span ran: its instance's role (behind lane proxy) and its rank(s) ("r0,1"), ""
+    for a lone rank 0."""
+    attrs = s.get("attrs", {})
+    if ranks is None:
+        ranks = [_rank(s)] if "rank" in attrs else []
+    role = attrs.get("instance", "").split(" ")[0]
+    return " ".join(filter(None, (role, "r" + ",".join(map(str, ranks)) if ranks else "")))
 
 
 def page_spans(spans: list[dict]) -> list[dict]:
@@ -65,15 +69,14 @@ def page_spans(spans: list[dict]) -> list[dict]:
     alone. Each says where it ran (``where``: instance role and ranks)."""
     out, first, seen = [], {}, {}
     for s in sorted(spans, key=lambda s: (s["start"], s["step"])):
-        inst = s.get("attrs", {}).get("instance", "")
-        key = (inst, s["step"], bool(s.get("skipped")))
+        key = (s.get("attrs", {}).get("instance", ""), s["step"], bool(s.get("skipped")))
         k = seen[key + (_rank(s),)] = seen.get(key + (_rank(s),), -1) + 1
         s = dict(s, where=_where(s), ranks={_rank(s): s["dur"]})
         head = first.get(key + (k,))
         if head is not None and _rank(s) not in head["ranks"]:
             head["ranks"][_rank(s)] = s["dur"]
             head["dur"] = max(head["dur"], s["dur"])
-            head["where"] = " ".join(filter(None, (inst.split(" ")[0], "r" + ",".join(map(str, sorted(head["ranks"]))))))
+            head["where"] = _where(head, sorted(head["ranks"]))
             continue
         first.setdefault(key + (k,), s)
         out.append(s)

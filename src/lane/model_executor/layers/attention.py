@@ -184,6 +184,13 @@ class CacheLayer(nn.Module):
     def fp8_cache(self) -> bool:
         return self.kv_cache_dtype == "fp8_e4m3"
 
+    def c8_passes(self, n: int, per_block: int = 1) -> list[tuple[int, int]]:
+        """The ranges [lo, hi) of ``n`` cached rows (``per_block`` of them a block) read at once:
+        all of them, or under C8 ``c8_pass_blocks`` blocks' worth at a time, each pass
+        dequantized alone (never a copy of a request's whole context)."""
+        step = n if self.kv_cache_dtype == "auto" else self.c8_pass_blocks * per_block
+        return [(j, min(j + step, n)) for j in range(0, n, max(step, 1))]
+
     def write_rows(self, cache: torch.Tensor, scale: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """Rows [n, D] into the flat slots of a cache whose slots are rows of D (one head a
         slot): as they are, or under C8 quantized, each row's scale into ``scale``'s same slot."""

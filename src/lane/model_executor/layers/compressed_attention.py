@@ -240,11 +240,8 @@ class V4AttentionCache(CacheLayer):
         return self.read_rows(*self._entry_cache(which), self.entry_slots(table, windows))
 
     def entry_passes(self, n_entries: int) -> list[tuple[int, int]]:
-        """The ranges of entries read at once: all of them, or under C8 a pass of
-        ``c8_pass_blocks`` blocks' entries at a time, each pass dequantized alone (never a
-        copy of a request's whole compressed context)."""
-        step = n_entries if self.kv_cache_dtype == "auto" else self.c8_pass_blocks * (self.block_size // self.rate)
-        return [(j, min(j + step, n_entries)) for j in range(0, n_entries, max(step, 1))]
+        """The ranges of entries read at once (``c8_passes``, a block holding block_size / rate)."""
+        return self.c8_passes(n_entries, self.block_size // self.rate)
 
     def write_entries(self, which: str, table: torch.Tensor, windows: torch.Tensor, rows: torch.Tensor) -> None:
         """Entries of windows [E] (one request's table) or [B, 1] (a batch's tables)."""

@@ -135,10 +135,8 @@ class Indexer(CacheLayer):
         table per row [R, n]): the gathered keys at once, or under C8 in passes of c8_pass_blocks
         blocks, each pass's keys dequantized alone (never a copy of the whole context's). The
         sum over heads is linear, so passes reduce over ranks as the whole would."""
-        step = tables.shape[-1] if self.kv_cache_dtype == "auto" else self.c8_pass_blocks
-        bs = self.k_cache.shape[2]
-        parts = [self._scores(q, weights, self._keys(tables[..., j:j + step]))
-                 for j in range(0, min(tables.shape[-1], -(-total // bs)), step)]
+        n_blocks = min(tables.shape[-1], -(-total // self.k_cache.shape[2]))
+        parts = [self._scores(q, weights, self._keys(tables[..., j:k])) for j, k in self.c8_passes(n_blocks)]
         return torch.cat(parts, dim=-1)[..., :total]
 
     def _row_chunks(self, start: int, end: int, total: int):
