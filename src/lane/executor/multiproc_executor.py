@@ -344,17 +344,26 @@ class MultiprocExecutor(Executor):
                     raise WorkerError(self.failed) from None
                 continue
             if got in ("error", "lost"):
-                self.failed = payload if got == "lost" else f"worker rank {rank}: {payload}"
+                reported = payload if got == "lost" else f"worker rank {rank}: {payload}"
+                dead = self._dead_workers(grace_s=0.2)  # a survivor's collective error: name the cause
+                self.failed = self.failed or (f"{dead} ({reported})" if dead else reported)
                 raise WorkerError(self.failed)
             if got == kind and rank in pending:
                 results[rank] = payload
                 pending.discard(rank)
         return results
 
-    def _dead_workers(self) -> str:
-        """Which local workers have exited, and how ("" while all run)."""
-        return ", ".join(f"worker rank {i} (pid {p.pid}) exited with code {p.exitcode}"
-                         for i, p in enumerate(self.procs) if p.exitcode is not None)
+    def _dead_workers(self, grace_s: float = 0.0) -> str:
+        """Which local workers have exited, and how ("" while all run). ``grace_s``: how long to
+        look again for one, after a rank's error that a peer's death may have caused (the peer's
+        exit can be seen a moment after the error it caused)."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            dead = ", ".join(f"worker rank {i} (pid {p.pid}) exited with code {p.exitcode}"
+                             for i, p in enumerate(self.procs) if p.exitcode is not None)
+            if dead or time.monotonic() >= deadline:
+                return dead
+            time.sleep(0.02)
 
     def _fail(self, why: str) -> None:
         """A worker gone between calls fails the engine too: in an engine-core process, the
