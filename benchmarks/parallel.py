@@ -50,7 +50,39 @@ def tp16_factors(n: int) -> tuple[float, float]:
 COLLECTIVE_SIZES = [8 << 10, 64 << 10, 1 << 20]
 
 
-def _floor_rank(rank: int, world: int, port: int, sizes: list[int], out) -> None:
+def _transfer_floor(rank: int, nbytes: int, shared, res: dict) -> None:
+    """The two ways n bytes can reach a rank from another core, timed on rank 0: reading them
+    cold from DRAM (each time a fresh slice of a 1 GiB buffer, written first: its start is long
+    out of any cache) and reading what rank 1 has just written (its cache lines move over). An all-reduce at 2 ranks can beat neither: each
+    rank must receive the other's whole tensor's worth (half in a reduce-scatter, half in the
+    all-gather), so its time is at least the faster of the two."""
+    import torch
+    import torch.distributed as dist
+
+    n, reps = nbytes // 4, 200
+    y = torch.empty(n)
+    if rank == 0:
+        cold = torch.ones(max(n * reps, 256 << 20))
+        t0 = time.perf_counter()
+        for i in range(reps):
+            y.copy_(cold[i * n:(i + 1) * n])
+        res[("cold read", nbytes)] = (time.perf_counter() - t0) / reps * 1e6
+        del cold
+    took = 0.0
+    for i in range(reps):
+        if rank == 1:
+            shared[:n].fill_(float(i))  # plain stores, as a layer writes its output
+        dist.barrier()
+        if rank == 0:
+            t0 = time.perf_counter()
+            y.copy_(shared[:n])
+            took += time.perf_counter() - t0
+        dist.barrier()
+    if rank == 0:
+        res[("peer read", nbytes)] = took / reps * 1e6
+
+
+def _floor_rank(rank: int, world: int, port: int, sizes: list[int], out, shared) -> None:
     import torch
     import torch.distributed as dist
 
@@ -71,6 +103,7 @@ def _floor_rank(rank: int, world: int, port: int, sizes: list[int], out) -> None
         for _ in range(200):
             y.copy_(x)
         res[("memcpy", nbytes)] = (time.perf_counter() - t0) / 200 * 1e6
+        _transfer_floor(rank, nbytes, shared, res)
         for kind, g in groups.items():
             ops = {"all_reduce": lambda: g.all_reduce(x, 0), "all_gather": lambda: g.all_gather(x, 0, dim=0),
                    "reduce_scatter": lambda: g.reduce_scatter(x, [x.shape[0] // world + (r < x.shape[0] % world)
@@ -94,6 +127,7 @@ def collective_floor(world: int) -> dict[tuple[str, int], float]:
     the same bytes: the latency every collective of a step pays at least."""
     import socket
 
+    import torch
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
@@ -102,7 +136,9 @@ def collective_floor(world: int) -> dict[tuple[str, int], float]:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # as lane's ranks on one machine
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=_floor_rank, args=(r, world, port, COLLECTIVE_SIZES, q)) for r in range(world)]
+    shared = torch.empty(max(COLLECTIVE_SIZES) // 4).share_memory_()  # rank 1 writes, rank 0 reads
+    procs = [ctx.Process(target=_floor_rank, args=(r, world, port, COLLECTIVE_SIZES, q, shared))
+             for r in range(world)]
     for p in procs:
         p.start()
     res = q.get(timeout=600)
@@ -234,6 +270,17 @@ def main() -> None:
                 cells.append(f"{op} gloo {g:7.1f} shm {m:6.1f} ({g / m:4.1f}x)" if m else f"{op} gloo {g:7.1f}")
             print(f"  {nbytes / 1024:6.0f} KiB  memcpy {floor[('memcpy', nbytes)]:6.1f}  " + "  ".join(cells),
                   flush=True)
+        if world == 2:
+            # what no 2-rank all-reduce can beat here (_transfer_floor), against the target's 2x memcpy
+            for nbytes in COLLECTIVE_SIZES:
+                cold, peer, mc = floor[("cold read", nbytes)], floor[("peer read", nbytes)], floor[("memcpy", nbytes)]
+                best = min(cold, peer)
+                print(f"  {nbytes / 1024:6.0f} KiB  the other rank's bytes: a cold read {cold:6.1f}, a read of what it "
+                      f"wrote {peer:6.1f} us: an all-reduce takes at least {best:6.1f} us = {best / mc:4.1f}x memcpy "
+                      f"(shm all-reduce {floor[('shm all_reduce', nbytes)] / mc:4.1f}x)")
+                headline[f"all_reduce_floor_over_memcpy_{nbytes >> 10}KiB"] = round(best / mc, 2)
+                headline[f"shm_all_reduce_over_memcpy_{nbytes >> 10}KiB"] = round(
+                    floor[("shm all_reduce", nbytes)] / mc, 2)
         headline[f"collectives_us_{world}ranks"] = {f"{k} {b}": round(us, 1) for (k, b), us in floor.items()}
     for name in filter(None, args.models.split(",")):
         model, layouts = models[name]

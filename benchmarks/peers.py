@@ -44,6 +44,7 @@ DEFAULT_PEERS_DIR = os.path.join("~", ".cache", "lane", "peers")
 # Pinned: a peer figure must name the llama.cpp it measured (0.3.36 vendors a late-2025 tree).
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 LLAMA_CPP_TARGETS = ("llama-bench", "llama-server", "llama-quantize")
+CONVERTER_SENTENCEPIECE = "sentencepiece==0.2.3"  # convert_hf_to_gguf.py's Llama vocab imports it
 # No AMX: this tree's AMX kernels build their tile config on the stack, which GCC 12 optimises
 # away, so the first tile load raises SIGILL (llama-bench and llama-server die on their first
 # matmul on an AMX CPU; ggml-org/llama.cpp PR #26954). The explicit -mno-* flags win over
@@ -330,6 +331,9 @@ def convert_hf_to_gguf(hf_dir: str, out: str, outtype: str = "bf16", cache_dir: 
     if os.path.isfile(out):
         return out
     script = os.path.join(llama_cpp_source_dir(cache_dir), "convert_hf_to_gguf.py")
+    if importlib.util.find_spec("sentencepiece") is None:
+        print(f"installing {CONVERTER_SENTENCEPIECE} for convert_hf_to_gguf.py", file=sys.stderr, flush=True)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", CONVERTER_SENTENCEPIECE], check=True)
     tmp = out + ".tmp"
     with open(out + ".log", "w") as log:
         p = subprocess.run([sys.executable, script, hf_dir, "--outtype", outtype, "--outfile", tmp],
