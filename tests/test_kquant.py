@@ -2,6 +2,8 @@
 gguf's, the integer kernels against integer and float64 references on the same quantized
 values on every kernel path this CPU has, and a tiny K-quantized llama run that way."""
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -186,11 +188,43 @@ def check_kernels(shapes=((37, 256), (5, 768))) -> dict:
                 rel = rel_to_terms(cpu_kernels.quant_linear(x, wt, kind, N), terms)
                 worst = max(worst, rel)
                 assert rel < 1e-6, (kind, N, K, M, rel)
-    return {"isa": cpu_kernels.isa(), "worst": worst}
+    # The K-quants repacked 8 rows interleaved where their kernel runs (AVX-512 VNNI): the same
+    # weights back, and each sub-block (32 values; Q6_K: 16) summed exactly against 8-bit blocks
+    # of 32 activations (d_x per 32), then scaled (Q4_K, Q5_K: less its minimum times the sum)
+    x8 = [k for k in BYTES if k in cpu_kernels.x8_kinds()]
+    N, K = 16, 512
+    for kind in BYTES:
+        blocks = random_blocks(kind, N, K, rng)
+        packed = cpu_kernels.repack_x8(torch.from_numpy(blocks), kind, N)
+        assert (packed is not None) == (kind in x8)
+        if packed is None:
+            continue
+        dense = cpu_kernels.dequant_ggml(blocks, kind, torch.float32).view(N, K)
+        assert torch.equal(cpu_kernels.dequant_x8(packed, kind, N, K, torch.float32), dense)
+        ids = torch.tensor([5, 0, 15, 5])  # a tied embedding's lookup in the LM head's blocks
+        assert torch.equal(cpu_kernels.dequant_x8_rows(packed, kind, ids, K, torch.float32), dense[ids])
+        q, sc, m, d, dmin = unpack(kind, blocks)
+        L = 256 // sc.shape[1]
+        qw = torch.from_numpy(q).view(N, -1, L)
+        ws = torch.from_numpy(d[:, None] * sc).double().view(N, -1)
+        wm = torch.from_numpy(dmin[:, None] * m).double().view(N, -1)
+        for M in [*range(1, 18), 33, 64]:  # past the 16 rows of a pass, into a second and a third
+            x = torch.randn(M, K, generator=g) * torch.rand(M, 1, generator=g) * 4
+            qx, dx, sx = cpu_kernels.quantize_rows_q8(x)
+            dots = torch.einsum("mbi,nbi->mnb", qx.view(M, -1, L).long(), qw)
+            dxs = dx.double().repeat_interleave(32 // L, dim=1)
+            xsum = dxs * qx.view(M, -1, L).double().sum(-1)
+            terms = torch.stack((ws[None] * dxs[:, None] * dots.double(), -wm[None] * xsum[:, None]), dim=-1)
+            rel = rel_to_terms(cpu_kernels.quant_linear(x, packed, kind, N, x8=True), terms.view(M, N, -1))
+            worst = max(worst, rel)
+            assert rel < 1e-6, (kind, "x8", M, rel)
+    return {"isa": cpu_kernels.isa(), "worst": worst, "x8": x8}
 
 
 def test_kernels_on_this_path():
-    check_kernels()
+    res = check_kernels()
+    vnni = cpu_kernels.isa() == "avx512" and "avx512_vnni" in platform.cpu_flags()
+    assert res["x8"] == (list(BYTES) if vnni and os.environ.get("LANE_CPU_VNNI") != "0" else [])
 
 
 def _paths():
@@ -203,14 +237,14 @@ def _paths():
 @pytest.mark.parametrize("isa,vnni", _paths())
 def test_kernels_on_other_paths(isa, vnni):
     """The generic and AVX2 builds, and AVX-512 without VNNI, on this CPU."""
-    check_kernels_on("test_kquant", isa, LANE_CPU_VNNI=vnni)
+    assert not check_kernels_on("test_kquant", isa, LANE_CPU_VNNI=vnni)["x8"]  # the K-quants keep their kernel
 
 
 # -- end to end: a tiny K-quantized llama ----------------------------------------------------
 
 HIDDEN, FFN, LAYERS, HEADS, KV_HEADS = 256, 512, 2, 4, 2
 # Q4_K_M-like: Q4_K mostly, Q6_K for the embedding, output and layer 0's attn_v (so its fused
-# qkv mixes kinds and runs dense), Q5_K / Q6_K ffn_down
+# qkv mixes kinds: a kernel per kind), Q5_K / Q6_K ffn_down
 KINDS = {"token_embd": "Q6_K", "output": "Q6_K", "attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": ("Q6_K", "Q4_K"),
          "attn_output": "Q5_K", "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": ("Q5_K", "Q6_K")}
 
@@ -270,7 +304,11 @@ def test_tiny_kquant_llama_auto_matches_dequantized(kquant_gguf):
     m = q.engine.worker.model
     assert m.model.embed_tokens.qkind == "Q6_K" and m.lm_head.qkind == "Q6_K"
     layers = m.model.layers
-    assert layers[0].self_attn.qkv_proj.qweight is None and layers[0].self_attn.qkv_proj.qkind == "Q4_K+Q6_K"
+    qkv = layers[0].self_attn.qkv_proj  # q, k in Q4_K and v in Q6_K: each kind keeps its blocks
+    assert qkv.qkind == "Q4_K+Q6_K" and qkv.qweight is None and qkv.weight is None
+    assert [(p.start, p.kind, p.blocks.shape[0]) for p in qkv.qparts] == [
+        (0, "Q4_K", HIDDEN + KV_HEADS * (HIDDEN // HEADS)), (HIDDEN + KV_HEADS * (HIDDEN // HEADS), "Q6_K",
+                                                              KV_HEADS * (HIDDEN // HEADS))]
     assert layers[1].self_attn.qkv_proj.qkind == "Q4_K" and layers[1].self_attn.qkv_proj.weight is None
     assert [layer.mlp.down_proj.qkind for layer in layers] == ["Q5_K", "Q6_K"]
     assert layers[0].self_attn.o_proj.qkind == "Q5_K" and layers[0].mlp.gate_up_proj.qkind == "Q4_K"

@@ -450,18 +450,33 @@ def quant_block_dots(qx: torch.Tensor, blocks: torch.Tensor, kind: str, N: int) 
     return dots
 
 
-X8_KINDS = ("Q4_0", "Q4_1", "Q8_0")  # kinds with a repacked layout: 8 rows interleaved (quant_x8.cpp)
+@functools.cache
+def x8_kinds() -> tuple[str, ...]:
+    """Kinds with a repacked layout, 8 rows interleaved (quant_x8.cpp): Q4_0, Q4_1, Q8_0, and
+    the K-quants where their kernel runs (AVX-512 VNNI); elsewhere they keep kquant.cpp's."""
+    ok = torch.zeros(1, dtype=torch.int32)
+    kinds = []
+    for kind in ("Q4_0", "Q4_1", "Q8_0", *K_KINDS):
+        _lib.lane_x8_supports(GGML_KINDS[kind][0], ok.data_ptr())
+        if ok.item():
+            kinds.append(kind)
+    return tuple(kinds)
+
+
+def x8_fits(kind: str, N: int) -> bool:
+    """Whether repack_x8 takes N rows of this kind: a kind in x8_kinds() and N a multiple of 8."""
+    return _lib is not None and N % 8 == 0 and kind in x8_kinds()
 
 
 def repack_x8(blocks: torch.Tensor, kind: str, N: int) -> torch.Tensor | None:
-    """GGUF blocks [N, row bytes] of a kind in X8_KINDS -> the same bytes with each group of 8 rows
-    interleaved, which quant_linear(..., x8=True) runs; None where N is not a multiple of 8 (or
-    another kind)."""
-    if kind not in X8_KINDS or N % 8 or _lib is None:
+    """GGUF blocks [N, row bytes] of a kind in x8_kinds() -> the same bytes with each group of 8
+    rows interleaved, which quant_linear(..., x8=True) runs; None where they do not fit it
+    (x8_fits)."""
+    if not x8_fits(kind, N):
         return None
     blocks = blocks.contiguous()
     out = torch.empty_like(blocks)
-    K = blocks.shape[1] // GGML_KINDS[kind][2] * 32
+    K = blocks.shape[1] // GGML_KINDS[kind][2] * GGML_KINDS[kind][1]
     _lib.lane_repack_x8(blocks.data_ptr(), GGML_KINDS[kind][0], out.data_ptr(), N, K)
     return out
 
@@ -486,7 +501,10 @@ def dequant_x8_rows(packed: torch.Tensor, kind: str, ids: torch.Tensor, K: int, 
 
 
 def quant_x8_block_dots(qx: torch.Tensor, packed: torch.Tensor, kind: str, N: int) -> torch.Tensor:
-    """As quant_block_dots, from repack_x8's layout as its kernel computes them: [M, N, K / 32]."""
+    """As quant_block_dots, from repack_x8's layout as its kernel computes them: [M, N, K / 32]
+    (the 32-block kinds)."""
+    if kind in K_KINDS:
+        raise ValueError(f"quant_x8_block_dots: {kind} has no block dots here")
     M, K = qx.shape
     dots = torch.empty(M, N, K // 32, dtype=torch.int32)
     _lib.lane_quant_x8_block_dots(qx.data_ptr(), packed.data_ptr(), GGML_KINDS[kind][0], dots.data_ptr(), M, N, K)

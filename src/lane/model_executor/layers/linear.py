@@ -4,10 +4,11 @@ and a row's result the same whatever else is in its batch.
 Batch-invariant (the default, ``cpu_kernels.BATCH_INVARIANT``): one kernel and one reduction
 order per output element for any number of rows, so a token's row computed in a prefill
 chunk equals the same row in a decode step, and greedy answers do not change with load:
-- GGUF Q4_0 / Q4_1 / Q8_0 / K-quant weights kept in their blocks (``--quantization auto``; the
-  32-blocks repacked 8 rows interleaved at prepack where N allows): the integer kernel for every
-  M, each row quantized to 8-bit blocks once per call, inside it (as llama.cpp runs prefill);
-  the weights are never dequantized per call.
+- GGUF Q4_0 / Q4_1 / Q8_0 / K-quant weights kept in their blocks (``--quantization auto``;
+  repacked 8 rows interleaved at prepack where N and the kind allow, cpu_kernels.x8_fits: the
+  K-quants on AVX-512 VNNI only): the integer kernel for every M, each row quantized to 8-bit
+  blocks once per call, inside it (as llama.cpp runs prefill); the weights are never
+  dequantized per call.
 - Dense weights (``--quantization none``, safetensors checkpoints): lane's dense kernel for every
   M (cpu_kernels.small_m_linear: fp32 arithmetic, each weight row streamed once a call for
   decode, register-blocked for prefill). Big prefills pay for it against oneDNN / MKL, whose
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -87,6 +89,16 @@ def fast_cpu_gemm(dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
+@dataclass
+class QuantPart:
+    """Rows [start, start + blocks.shape[0]) of a fused layer whose parts came in different GGUF
+    kinds (Q4_K_M files keep some layers' attn_v in Q6_K beside Q4_K q and k), kept as blocks."""
+    start: int
+    kind: str
+    blocks: torch.Tensor
+    x8: bool = False  # repacked 8 rows interleaved (cpu_kernels.repack_x8)
+
+
 class Linear(nn.Linear):
     packed_weight: torch.Tensor | None = None
     # A quantized weight, by kind: GGUF blocks kept as they are (a kind of cpu_kernels.GGML_KINDS:
@@ -97,7 +109,12 @@ class Linear(nn.Linear):
     weight_scale: torch.Tensor | None = None  # int8: fp32 [out_features]
     weight_sums: torch.Tensor | None = None  # w8a8: int32 [out_features], the VNNI offset's correction
     dense_dtype: torch.dtype | None = None  # the weight's dtype, for a GGUF layer that goes dense after all
-    qx8 = False  # qweight's 32-blocks (Q4_0 / Q4_1 / Q8_0) repacked 8 rows interleaved (cpu_kernels.repack_x8)
+    qx8 = False  # qweight's blocks repacked 8 rows interleaved (cpu_kernels.repack_x8)
+    # a fused layer of mixed GGUF kinds: its parts' blocks, in row order once prepacked (qweight
+    # is None and qkind names the kinds, "Q4_K+Q6_K")
+    qparts: list[QuantPart] | None = None
+    _qrows: list[tuple[int, int]] | None = None  # (start, rows) of qweight loaded so far
+    _parts_joined = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
                  quantizable: bool | None = None) -> None:
@@ -107,7 +124,7 @@ class Linear(nn.Linear):
         self.quantizable = dtype is None if quantizable is None else quantizable
 
     def quantized_tensors(self) -> list[torch.Tensor | None]:
-        return [self.qweight, self.weight_scale, self.weight_sums]
+        return [self.qweight, self.weight_scale, self.weight_sums, *(p.blocks for p in self.qparts or ())]
 
     def quantize_int8(self, activations: bool) -> None:
         """--quantization int8 / w8a8: the loaded weight to int8 per output channel; the dense
@@ -121,10 +138,8 @@ class Linear(nn.Linear):
     def load_quantized(self, kind: str, blocks: torch.Tensor, row_offset: int = 0) -> None:
         """Take GGUF blocks for rows [row_offset, row_offset + len(blocks)) of the weight
         (a fused layer gets its parts one by one); the dense weight is dropped."""
-        if self.qweight is None and self.qkind is not None:  # a fused layer of mixed kinds: dense
-            if kind not in self.qkind.split("+"):
-                self.qkind += "+" + kind
-            self._load_dense(kind, blocks, row_offset)
+        if self.qparts is not None:  # a fused layer of mixed kinds
+            self._add_part(QuantPart(row_offset, kind, blocks))
             return
         if self.qweight is None:
             self.dense_dtype = self.weight.dtype
@@ -133,29 +148,51 @@ class Linear(nn.Linear):
             return
         if self.qweight is None:
             self.qweight = torch.empty(self.out_features, blocks.shape[1], dtype=torch.uint8)
-            self.qkind = kind
+            self.qkind, self._qrows = kind, []
             self.weight = None  # its memory goes; forward reads the blocks
         if kind != self.qkind or blocks.shape[1] != self.qweight.shape[1]:
-            # parts of different kinds (Q4_K_M files keep some layers' attn_v in Q6_K beside Q4_K
-            # q and k): the layer runs dense, from its parts dequantized (rows not loaded yet
-            # are overwritten as they come); qkind names the kinds, qweight is None
-            done, done_kind = self.qweight, self.qkind
-            self.qweight, self.qkind = None, f"{done_kind}+{kind}"
-            self.weight = nn.Parameter(torch.empty(self.out_features, self.in_features, dtype=self.dense_dtype),
-                                       requires_grad=False)
-            self._load_dense(done_kind, done, 0)
-            self._load_dense(kind, blocks, row_offset)
+            # parts of different kinds: each keeps its blocks and runs its own kernel (dense,
+            # they would read 3-4x the bytes a decode step)
+            done = [QuantPart(s, self.qkind, self.qweight[s:s + n].clone()) for s, n in self._qrows]
+            self.qweight, self.qparts = None, []
+            for part in [*done, QuantPart(row_offset, kind, blocks)]:
+                self._add_part(part)
             return
         self.qweight[row_offset:row_offset + blocks.shape[0]] = blocks
+        self._qrows.append((row_offset, blocks.shape[0]))
 
-    def _load_dense(self, kind: str, blocks: torch.Tensor, row_offset: int) -> None:
-        w = cpu_kernels.dequant_ggml(blocks.numpy(), kind, self.weight.dtype).view(blocks.shape[0], -1)
-        with torch.no_grad():
-            self.weight[row_offset:row_offset + blocks.shape[0]] = w
+    def _add_part(self, part: QuantPart) -> None:
+        self.qparts.append(part)
+        self._parts_joined = False
+        self.qkind = "+".join(dict.fromkeys(p.kind for p in self.qparts))
+
+    def _join_parts(self) -> None:
+        """The parts in row order, runs of one kind joined into one kernel call's blocks; every
+        row must be loaded."""
+        parts: list[QuantPart] = []
+        for p in sorted(self.qparts, key=lambda p: p.start):
+            last = parts[-1] if parts else None
+            end = last.start + last.blocks.shape[0] if last else 0
+            if p.start != end:
+                raise ValueError(f"a fused layer's GGUF parts leave rows {end}..{p.start} unloaded")
+            if last and last.kind == p.kind and not last.x8 and not p.x8:
+                parts[-1] = QuantPart(last.start, last.kind, torch.cat([last.blocks, p.blocks]))
+            else:
+                parts.append(p)
+        if parts[-1].start + parts[-1].blocks.shape[0] != self.out_features:
+            raise ValueError("a fused layer's GGUF parts leave its last rows unloaded")
+        self.qparts, self._parts_joined = parts, True
 
     def prepack(self) -> bool:
         """Repack GGUF blocks 8 rows interleaved (cpu_kernels.repack_x8), or pack the dense weight
         for oneDNN (only bf16 on a CPU whose oneDNN runs bf16 benefits)."""
+        if self.qparts is not None:
+            self._join_parts()
+            for p in self.qparts:
+                packed = None if p.x8 else cpu_kernels.repack_x8(p.blocks, p.kind, p.blocks.shape[0])
+                if packed is not None:
+                    p.blocks, p.x8 = packed, True
+            return any(p.x8 for p in self.qparts)
         if self.qweight is not None:
             packed = None if self.qx8 else cpu_kernels.repack_x8(self.qweight, self.qkind, self.out_features)
             if packed is not None:
@@ -171,7 +208,7 @@ class Linear(nn.Linear):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.qweight is not None:
+        if self.qweight is not None or self.qparts is not None:
             return self._quantized(x)
         if self.packed_weight is not None and x.dim() == 2 and x.shape[0] > SMALL_M:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
@@ -182,6 +219,12 @@ class Linear(nn.Linear):
         x2 = x.reshape(-1, self.in_features)
         if self.qkind in ("int8", "w8a8"):  # these have torch paths too
             y = int8_linear(x2, self.qkind, self.qweight, self.weight_scale, self.weight_sums, self.bias)
+        elif self.qparts is not None:
+            if not self._parts_joined:  # a forward before prepack
+                self._join_parts()
+            y = torch.cat([ggml_linear(x2, p.blocks, p.kind, (p.blocks.shape[0], self.in_features),
+                                       None if self.bias is None else self.bias[p.start:p.start + p.blocks.shape[0]],
+                                       p.x8) for p in self.qparts], dim=1)
         else:
             y = ggml_linear(x2, self.qweight, self.qkind, (self.out_features, self.in_features), self.bias, self.qx8)
         return y.view(*lead, self.out_features)
@@ -221,8 +264,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def prepack_linears(model: nn.Module) -> int:
-    """Pack every Linear of a loaded model; returns how many were packed. Blocks a tied
-    embedding reads too are repacked once, for both; blocks another kind of module reads stay."""
+    """Pack every Linear of a loaded model, and repack MoE experts' GGUF blocks; returns how many
+    modules were packed. Blocks a tied embedding reads too are repacked once, for both; blocks
+    another kind of module reads stay."""
     holders: dict[int, list[nn.Module]] = {}
     for m in model.modules():
         if not isinstance(m, Linear) and hasattr(m, "quantized_tensors"):
@@ -231,6 +275,9 @@ def prepack_linears(model: nn.Module) -> int:
                     holders.setdefault(t.data_ptr(), []).append(m)
     packed = 0
     for m in model.modules():
+        if hasattr(m, "prepack_experts"):  # a FusedMoE's GGUF expert stacks
+            packed += m.prepack_experts()
+            continue
         if not isinstance(m, Linear):
             continue
         others = holders.get(m.qweight.data_ptr(), []) if m.qweight is not None else []
@@ -246,7 +293,8 @@ def kernels_in_float32(model: nn.Module) -> bool:
     """A model whose linears are GGUF blocks runs its float32 norms, rope and SwiGLU on the
     kernels, as its fused decode step does, so that its prefill rows equal its decode rows (a
     dense float32 model keeps torch's, bit-comparable with HF). True when it does."""
-    quantized = any(isinstance(m, Linear) and m.qkind in cpu_kernels.GGML_KINDS for m in model.modules())
+    quantized = any(isinstance(m, Linear) and (m.qkind in cpu_kernels.GGML_KINDS or m.qparts is not None)
+                    for m in model.modules())
     for m in model.modules():
         if hasattr(type(m), "kernels_float32"):
             m.kernels_float32 = quantized

@@ -25,31 +25,47 @@ ENABLED = os.environ.get("LANE_FUSED_DECODE", "1") != "0"
 # decode_layers.cpp's Piece order -> the steps the module path marks
 PIECE_STEPS = (Step.OPS_INPUT_NORM, Step.MODEL_QKV_PROJ, Step.OPS_KV_WRITE, Step.OPS_ATTENTION,
                Step.COMM_ATTN_REDUCE, Step.OPS_FFN)
-_DENSE, _BLOCKS, _X8, _KQUANT = range(4)
+_DENSE, _BLOCKS, _X8, _KQUANT, _PARTS = range(5)
 
 
 class Unsupported(Exception):
     pass
 
 
+def _blocks_record(blocks: torch.Tensor, kind: str, x8: bool, bias: torch.Tensor | None, N: int, K: int,
+                   keep: list) -> list[int]:
+    fmt = _X8 if x8 else _KQUANT if kind in cpu_kernels.K_KINDS else _BLOCKS
+    bias = None if bias is None else bias.detach().float().contiguous()
+    keep += [blocks, bias]
+    return [fmt, blocks.data_ptr(), cpu_kernels.GGML_KINDS[kind][0], 0 if bias is None else bias.data_ptr(), N, K]
+
+
 def _linear_record(lin: Linear, dtype: torch.dtype, keep: list) -> tuple[list[int], int]:
-    """(format, weight, code, bias, N, K) and the most rows this layer takes its kernel for."""
+    """(format, weight, code, bias, N, K) and the most rows this layer takes its kernel for. A
+    layer of mixed kinds: (parts, its parts' records, their count, 0, N, K)."""
+    if lin.qparts is not None:
+        subs = []
+        for p in lin.qparts:
+            n = p.blocks.shape[0]
+            bias = None if lin.bias is None else lin.bias[p.start:p.start + n]
+            subs += _blocks_record(p.blocks, p.kind, p.x8, bias, n, lin.in_features, keep)
+        recs = torch.tensor(subs, dtype=torch.int64)
+        keep.append(recs)
+        rows = min(quant_rows(dtype, p.x8) for p in lin.qparts)
+        return [_PARTS, recs.data_ptr(), len(lin.qparts), 0, lin.out_features, lin.in_features], rows
     if lin.qweight is not None:
         if lin.qkind not in cpu_kernels.GGML_KINDS:  # int8 / w8a8: the module path
             raise Unsupported(f"{lin.qkind} weights")
-        fmt = _X8 if lin.qx8 else _KQUANT if lin.qkind in cpu_kernels.K_KINDS else _BLOCKS
-        bias = None if lin.bias is None else lin.bias.detach().float().contiguous()
-        w, code, rows = lin.qweight, cpu_kernels.GGML_KINDS[lin.qkind][0], quant_rows(dtype, lin.qx8)
-    else:
-        w = lin.weight.detach()
-        code = cpu_kernels.dtype_code(w.dtype)
-        if not w.is_contiguous() or code is None:
-            raise Unsupported("a non-contiguous dense weight, or a dtype the kernels do not run")
-        bias = None if lin.bias is None else lin.bias.detach().to(w.dtype).contiguous()
-        fmt = _DENSE
-        rows = dense_rows(w.dtype)
+        rec = _blocks_record(lin.qweight, lin.qkind, lin.qx8, lin.bias, lin.out_features, lin.in_features, keep)
+        return rec, quant_rows(dtype, lin.qx8)
+    w = lin.weight.detach()
+    code = cpu_kernels.dtype_code(w.dtype)
+    if not w.is_contiguous() or code is None:
+        raise Unsupported("a non-contiguous dense weight, or a dtype the kernels do not run")
+    bias = None if lin.bias is None else lin.bias.detach().to(w.dtype).contiguous()
     keep += [w, bias]
-    return [fmt, w.data_ptr(), code, 0 if bias is None else bias.data_ptr(), lin.out_features, lin.in_features], rows
+    return [_DENSE, w.data_ptr(), code, 0 if bias is None else bias.data_ptr(), lin.out_features,
+            lin.in_features], dense_rows(w.dtype)
 
 
 class FusedDecode:
@@ -77,7 +93,7 @@ class FusedDecode:
                 r, n = _linear_record(lin, dtype, keep)
                 rec += r
                 rows.append(n)
-                quantized |= lin.qweight is not None
+                quantized |= lin.qweight is not None or lin.qparts is not None
             rec += [at.attn.k_cache.data_ptr(), at.attn.v_cache.data_ptr()]
             recs.append(rec)
         if dtype == torch.float32 and not quantized:

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace lane {
@@ -97,11 +98,42 @@ inline float fast_exp(float x) {
   return p * scale;
 }
 
-// GGUF blocks of 32 values (Q4_0, Q4_1, Q8_0, as cpu_kernels.py codes them): an fp16
-// scale first (Q4_1: then an fp16 minimum), then the quants
-enum Ggml : int { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2 };
+// GGUF blocks, as cpu_kernels.GGML_KINDS codes them. Blocks of 32 values (Q4_0, Q4_1, Q8_0):
+// an fp16 scale first (Q4_1: then an fp16 minimum), then the quants. The K-quants' super-blocks
+// of 256 (kquant.cpp): Q4_K is d, dmin (fp16), 12 bytes of 6-bit scales and mins, 128 of quants.
+enum Ggml : int { kQ4_0 = 0, kQ4_1 = 1, kQ8_0 = 2, kQ4_K = 3, kQ5_K = 4, kQ6_K = 5 };
 
-inline int64_t ggml_block_bytes(int qtype) { return qtype == kQ4_0 ? 18 : (qtype == kQ4_1 ? 20 : 34); }
+inline int64_t ggml_block_bytes(int qtype) {
+  switch (qtype) {
+    case kQ4_0: return 18;
+    case kQ4_1: return 20;
+    case kQ8_0: return 34;
+    case kQ4_K: return 144;
+    case kQ5_K: return 176;
+    default: return 210;
+  }
+}
+
+// Q4_K's sub-block j (0..7) scale and minimum (6 bits each) from its 12 packed bytes, and back
+inline void q4k_scale_min(const uint8_t* s, int j, int& sc, int& mn) {
+  if (j < 4) {
+    sc = s[j] & 63, mn = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4), mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+inline void q4k_pack_scales(const int* sc, const int* mn, uint8_t* s) {
+  for (int j = 0; j < 4; ++j) {
+    s[j] = static_cast<uint8_t>((sc[j] & 63) | ((sc[j + 4] >> 4) << 6));
+    s[j + 4] = static_cast<uint8_t>((mn[j] & 63) | ((mn[j + 4] >> 4) << 6));
+    s[j + 8] = static_cast<uint8_t>((sc[j + 4] & 15) | ((mn[j + 4] & 15) << 4));
+  }
+}
+
+template <typename T>
+constexpr int dtype_code() {
+  return std::is_same<T, float>::value ? kF32 : (std::is_same<T, bf16>::value ? kBF16 : kF16);
+}
 
 inline float half_at(const uint8_t* p) {  // an fp16 field of a block
   f16 h;
@@ -125,19 +157,141 @@ inline float quantize_block_q8(const T* x, int n, int8_t* q) {
 // chunks of 32 bytes, chunk c holding bytes 4c..4c+3 of every row's quants (4 chunks for Q4,
 // whose byte i holds value i in its low nibble and value i + 16 in its high one; 8 for Q8_0).
 // The same bytes as the GGUF rows.
+//
+// Q4_K (on CPUs whose x8 kernel runs it: lane_x8_supports), per group and super-block, 1152
+// bytes (8 x 144), so that each sub-block of 32 runs as a Q4_1 block would, its scale
+// d * sc and minimum -dmin * mn made in registers once for all input rows:
+//   [0, 16) the 8 rows' d, [16, 32) their dmin (fp16);
+//   [32, 96) per sub-block pair p (sub-blocks 2p, 2p + 1), lane k = 2r + h (row r, sub-block
+//     2p + h): byte 32 + 16p + k = (sc & 15) | (mn & 15) << 4;
+//   [96, 128) the scales' top bits, (sc >> 4) | (mn >> 4) << 2: a nibble of byte 96 + 8p + k % 8,
+//     the high one for k >= 8;
+//   [128, 1152) sub-block j's quants at 128 + 128j as a Q4 block of 8 rows (chunks above).
+//
+// Q5_K, 1408 bytes (8 x 176): Q4_K's 1152 of its d, dmin, scales and low 4 bits, then each
+// sub-block j's top bits at 1152 + 32j: byte 4r + t holds, at bit c (c = 0..3), that of value
+// 4c + t, and at bit 4 + c that of 16 + 4c + t.
+//
+// Q6_K (likewise), 1680 bytes (8 x 210), each 32 values a block whose halves (the sub-blocks
+// of 16) have their own int8 scale, the stored values u = q + 32 (0..63):
+//   [0, 16) the 8 rows' d (fp16);
+//   [16, 144) per block pair p (blocks 2p, 2p + 1), lane k = 2r + h (row r, block 2p + h): byte
+//     16 + 32p + k the scale of the block's first half, 16 + 32p + 16 + k of its second;
+//   [144, 1168) block j's low 4 bits at 144 + 128j as a Q4 block of 8 rows;
+//   [1168, 1680) block j's top 2 bits at 1168 + 64j: byte 32e + 4r + t holds, for chunks c = e
+//     and e + 2 (2 bits each, from bit 4 * (c >> 1)), those of values 4c + t and 16 + 4c + t.
 constexpr int kX8Rows = 8;
 inline int64_t x8_quant_offset(int qtype) { return qtype == kQ4_1 ? 32 : 16; }
 inline int x8_chunks(int qtype) { return qtype == kQ8_0 ? 8 : 4; }
+inline int64_t x8_values(int qtype) { return qtype >= kQ4_K ? 256 : 32; }  // a block's values
+
+// n bytes between a packed group block and a row's plain GGUF block, the way to_packed says
+inline void x8_move(uint8_t* packed, uint8_t* plain, int n, bool to_packed) {
+  if (to_packed) std::memcpy(packed, plain, n); else std::memcpy(plain, packed, n);
+}
+
+inline void x8_block_q4k(uint8_t* gb, int r, uint8_t* blk, bool to_packed);
+
+// Q5_K as Q4_K (a 144-byte block of its d, dmin, scales and low 4 bits) and its top bits apart
+inline void x8_block_q5k(uint8_t* gb, int r, uint8_t* blk, bool to_packed) {
+  uint8_t q4[144];  // d, dmin, scales | qs: Q5_K's first 16 and last 128 bytes
+  if (to_packed) std::memcpy(q4, blk, 16), std::memcpy(q4 + 16, blk + 48, 128);
+  x8_block_q4k(gb, r, q4, to_packed);
+  if (!to_packed) std::memcpy(blk, q4, 16), std::memcpy(blk + 48, q4 + 16, 128);
+  uint8_t* qh = blk + 16;  // bit j of qh[l]: value 32j + l's top bit
+  if (!to_packed) std::memset(qh, 0, 32);
+  for (int j = 0; j < 8; ++j)
+    for (int m = 0; m < 16; ++m) {
+      uint8_t& packed = gb[1152 + 32 * j + 4 * r + m % 4];
+      for (int top = 0; top < 2; ++top) {
+        const int l = m + 16 * top, bit = 4 * top + m / 4;
+        if (to_packed)
+          packed = static_cast<uint8_t>((packed & ~(1 << bit)) | (((qh[l] >> j) & 1) << bit));
+        else
+          qh[l] = static_cast<uint8_t>(qh[l] | (((packed >> bit) & 1) << j));
+      }
+    }
+}
+
+// Q6_K's stored value v (0..255) of a GGUF super-block: 4 low bits in ql, 2 top bits in qh
+inline int q6k_get(const uint8_t* blk, int v) {
+  const int half = v / 128, w = v % 128, k = w / 32, l = w % 32;
+  const int lo = (blk[64 * half + l + 32 * (k & 1)] >> (4 * (k >> 1))) & 15;
+  return lo | (((blk[128 + 32 * half + l] >> (2 * k)) & 3) << 4);
+}
+inline void q6k_set(uint8_t* blk, int v, int u) {
+  const int half = v / 128, w = v % 128, k = w / 32, l = w % 32;
+  uint8_t& lo = blk[64 * half + l + 32 * (k & 1)];
+  uint8_t& hi = blk[128 + 32 * half + l];
+  const int ls = 4 * (k >> 1), hs = 2 * k;
+  lo = static_cast<uint8_t>((lo & ~(15 << ls)) | ((u & 15) << ls));
+  hi = static_cast<uint8_t>((hi & ~(3 << hs)) | (((u >> 4) & 3) << hs));
+}
+
+inline void x8_block_q6k(uint8_t* gb, int r, uint8_t* blk, bool to_packed) {
+  x8_move(gb + 2 * r, blk + 208, 2, to_packed);
+  for (int s = 0; s < 16; ++s) {  // sub-block s of 16: block j = s / 2, its half s % 2
+    const int j = s / 2;
+    x8_move(gb + 16 + 32 * (j / 2) + 16 * (s % 2) + 2 * r + j % 2, blk + 192 + s, 1, to_packed);
+  }
+  for (int v = 0; v < 256; ++v) {
+    const int j = v / 32, i = v % 32, m = i % 16, c = m / 4, t = m % 4, top = i / 16;
+    uint8_t& lo = gb[144 + 128 * j + 32 * c + 4 * r + t];
+    uint8_t& hi = gb[1168 + 64 * j + 32 * (c & 1) + 4 * r + t];
+    const int ls = 4 * top, hs = 4 * (c >> 1) + 2 * top;
+    if (to_packed) {
+      const int u = q6k_get(blk, v);
+      lo = static_cast<uint8_t>((lo & ~(15 << ls)) | ((u & 15) << ls));
+      hi = static_cast<uint8_t>((hi & ~(3 << hs)) | (((u >> 4) & 3) << hs));
+    } else {
+      q6k_set(blk, v, ((lo >> ls) & 15) | (((hi >> hs) & 3) << 4));
+    }
+  }
+}
+
+inline void x8_block_q4k(uint8_t* gb, int r, uint8_t* blk, bool to_packed) {
+  x8_move(gb + 2 * r, blk, 2, to_packed);
+  x8_move(gb + 16 + 2 * r, blk + 2, 2, to_packed);
+  int sc[8], mn[8];
+  for (int j = 0; j < 8; ++j) {
+    const int p = j / 2, k = 2 * r + j % 2, shift = 4 * (k >> 3);
+    uint8_t& lo = gb[32 + 16 * p + k];
+    uint8_t& hi = gb[96 + 8 * p + (k & 7)];
+    if (to_packed) {
+      q4k_scale_min(blk + 4, j, sc[j], mn[j]);
+      lo = static_cast<uint8_t>((sc[j] & 15) | ((mn[j] & 15) << 4));
+      hi = static_cast<uint8_t>((hi & ~(15 << shift)) | (((sc[j] >> 4) | ((mn[j] >> 4) << 2)) << shift));
+    } else {
+      const int h = (hi >> shift) & 15;
+      sc[j] = (lo & 15) | ((h & 3) << 4), mn[j] = (lo >> 4) | ((h >> 2) << 4);
+    }
+  }
+  if (!to_packed) q4k_pack_scales(sc, mn, blk + 4);
+  // GGUF: byte l of 32-byte run i holds value l of sub-block 2i (low nibble), of 2i + 1 (high);
+  // x8: sub-block j's byte m holds its values m and 16 + m, as Q4_1's
+  for (int j = 0; j < 8; ++j)
+    for (int m = 0; m < 16; ++m) {
+      uint8_t& packed = gb[128 + 128 * j + 32 * (m / 4) + 4 * r + m % 4];
+      uint8_t* run = blk + 16 + 32 * (j / 2);
+      const int sh = 4 * (j % 2);
+      if (to_packed) {
+        packed = static_cast<uint8_t>(((run[m] >> sh) & 15) | (((run[16 + m] >> sh) & 15) << 4));
+      } else {
+        run[m] = static_cast<uint8_t>((run[m] & ~(15 << sh)) | ((packed & 15) << sh));
+        run[16 + m] = static_cast<uint8_t>((run[16 + m] & ~(15 << sh)) | ((packed >> 4) << sh));
+      }
+    }
+}
 
 // one row's GGUF block out of a group's packed block (gb), or into it (to_packed)
 inline void x8_block(uint8_t* gb, int qtype, int r, uint8_t* blk, bool to_packed) {
+  if (qtype == kQ4_K) return x8_block_q4k(gb, r, blk, to_packed);
+  if (qtype == kQ5_K) return x8_block_q5k(gb, r, blk, to_packed);
+  if (qtype == kQ6_K) return x8_block_q6k(gb, r, blk, to_packed);
   const int64_t qo = x8_quant_offset(qtype), bq = qtype == kQ4_1 ? 4 : 2;
-  auto move = [&](uint8_t* packed, uint8_t* plain, int n) {
-    if (to_packed) std::memcpy(packed, plain, n); else std::memcpy(plain, packed, n);
-  };
-  move(gb + 2 * r, blk, 2);
-  if (qtype == kQ4_1) move(gb + 16 + 2 * r, blk + 2, 2);
-  for (int c = 0; c < x8_chunks(qtype); ++c) move(gb + qo + 32 * c + 4 * r, blk + bq + 4 * c, 4);
+  x8_move(gb + 2 * r, blk, 2, to_packed);
+  if (qtype == kQ4_1) x8_move(gb + 16 + 2 * r, blk + 2, 2, to_packed);
+  for (int c = 0; c < x8_chunks(qtype); ++c) x8_move(gb + qo + 32 * c + 4 * r, blk + bq + 4 * c, 4, to_packed);
 }
 
 // Input rows as 8-bit blocks of 32 for the integer kernels (quant_linear.cpp): q [M, K], d

@@ -31,8 +31,10 @@ namespace {
 using namespace lane;
 
 // A linear layer's record: format, weight, the weight's dtype or GGUF kind code, bias (the
-// weight's dtype for dense, fp32 for blocks; 0: none), N, K
-enum Format : int64_t { kDense = 0, kBlocks = 1, kX8 = 2, kKQuant = 3 };
+// weight's dtype for dense, fp32 for blocks; 0: none), N, K. kParts (a fused layer whose parts
+// are blocks of different kinds): weight points at its parts' records, code is their count;
+// each part computes the next columns of the output.
+enum Format : int64_t { kDense = 0, kBlocks = 1, kX8 = 2, kKQuant = 3, kParts = 4 };
 struct LinearRec {
   int64_t format, w, code, bias, N, K;
 };
@@ -67,8 +69,20 @@ void linear(const LinearRec& l, const void* x, int dtype, void* y, int64_t M, in
     case kX8:
       lane_quant_x8_linear(x, dtype, ptr<const uint8_t>(l.w), code, bias, y, dtype, M, l.N, l.K, threads);
       break;
-    default:
+    case kKQuant:
       lane_kquant_linear(x, dtype, w, code, bias, y, dtype, M, l.N, l.K, threads);
+      break;
+    default: {  // kParts: a part's rows land in its columns of y (straight there for one row)
+      const int64_t es = dtype == kF32 ? 4 : 2;
+      const LinearRec* parts = ptr<const LinearRec>(l.w);
+      char* out = static_cast<char*>(y);
+      char* tmp = M > 1 ? scratch<char, 15>(M * l.N * es) : nullptr;
+      for (int64_t p = 0, n0 = 0; p < l.code; n0 += parts[p].N, ++p) {
+        linear(parts[p], x, dtype, M > 1 ? tmp : out + n0 * es, M, threads);
+        for (int64_t m = 0; m < M && M > 1; ++m)
+          std::memcpy(out + (m * l.N + n0) * es, tmp + m * parts[p].N * es, parts[p].N * es);
+      }
+    }
   }
 }
 

@@ -44,16 +44,21 @@ extern "C" void lane_dequant_ggml(const void* src, int qtype, int64_t nblocks, v
   }));
 }
 
+extern "C" void lane_dequant_kquant(const void* src, int kind, int64_t nblocks, void* dst, int dtype, int threads);
+
 namespace {
 
-// row n of x8-layout weights [N, K] -> dst [K]
+// row n of x8-layout weights [N, K] -> dst [K]: each block as its GGUF self, dequantized so
 template <typename T>
 void dequant_x8_row(const uint8_t* src, int qtype, int64_t n, int64_t K, T* dst) {
-  const int64_t nb = K / 32, gb = kX8Rows * ggml_block_bytes(qtype), g = n / kX8Rows;
-  uint8_t blk[34];
+  const int64_t vals = x8_values(qtype), nb = K / vals, gb = kX8Rows * ggml_block_bytes(qtype), g = n / kX8Rows;
+  uint8_t blk[210];
   for (int64_t b = 0; b < nb; ++b) {
     x8_block(const_cast<uint8_t*>(src) + (g * nb + b) * gb, qtype, static_cast<int>(n % kX8Rows), blk, false);
-    dequant_blocks<T>(blk, qtype, 0, 1, dst + b * 32);
+    if (qtype >= kQ4_K)
+      lane_dequant_kquant(blk, qtype, 1, dst + b * vals, dtype_code<T>(), 1);
+    else
+      dequant_blocks<T>(blk, qtype, 0, 1, dst + b * vals);
   }
 }
 

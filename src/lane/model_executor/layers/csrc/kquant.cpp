@@ -27,9 +27,8 @@ namespace {
 using namespace lane;
 
 constexpr int QK = 256;
-enum KKind : int { kQ4_K = 3, kQ5_K = 4, kQ6_K = 5 };  // cpu_kernels.GGML_KINDS codes
 
-inline int64_t kblock_bytes(int kind) { return kind == kQ4_K ? 144 : (kind == kQ5_K ? 176 : 210); }
+inline int64_t kblock_bytes(int kind) { return ggml_block_bytes(kind); }
 
 // A super-block's scales per 16 values (sc), the multipliers of the q_x sums per 16 (mm)
 // and the two float factors: dot = da * sum sc_j dot_j(u, q_x) - db * sum mm_j bsum_j.
@@ -50,10 +49,9 @@ inline void scales_of(const uint8_t* blk, Scales& s) {
     s.da = s.db = half_at(blk + 208);
     return;
   }
-  const uint8_t* q = blk + 4;  // 6-bit scale and min of sub-block j (ggml's get_scale_min_k4)
   for (int j = 0; j < 8; ++j) {
-    const int sc = j < 4 ? q[j] & 63 : (q[j + 4] & 0x0f) | ((q[j - 4] >> 6) << 4);
-    const int m = j < 4 ? q[j + 4] & 63 : (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    int sc, m;
+    q4k_scale_min(blk + 4, j, sc, m);  // ggml's get_scale_min_k4
     s.sc[2 * j] = s.sc[2 * j + 1] = static_cast<int16_t>(sc);
     s.mm[2 * j] = s.mm[2 * j + 1] = static_cast<int16_t>(m);
   }

@@ -11,6 +11,11 @@
 //   Q8_0: y_r += d_r d_x dot_r
 // Every block's integer dot product is exact (the offsets are taken in int32). With AVX-512
 // VNNI two blocks share a 512-bit register (pair_row), which halves each row's instructions.
+// The K-quants run there too (only there: lane_x8_supports). Q4_K and Q5_K: each sub-block of
+// 32 as a Q4_1 block whose scale d * sc and minimum -dmin * mn (exact in fp32) are made from the
+// super-block's fields (Q5_K: with each value's top bit). Q6_K: each 32 values as a Q4 block of
+// 6-bit values whose two halves (its sub-blocks of 16) are summed apart, less 32 times the
+// activations' half sums, each times its own d * sc.
 #include "common.h"
 
 #if defined(__AVX2__)
@@ -146,10 +151,14 @@ struct Pairs {
   int64_t np;
 };
 
+// (Q6_K: ip holds four ints a pair: 32 * the sums of q_x over the first halves of its two
+// blocks, then over the second halves)
+inline int64_t ip_width(int qtype) { return qtype == kQ6_K ? 4 : 2; }
+
 inline Pairs pair_rows(int qtype, const int8_t* qx, const float* dx, const float* sx, const int32_t* isum, int64_t M,
                        int64_t K) {
-  const int64_t nb = K / kBlock, np = (nb + 1) / 2;
-  Pairs p{scratch<uint8_t, 1>(M * np * 64), scratch<float, 5>(4 * M * np), nullptr, scratch<int32_t, 1>(2 * M * np),
+  const int64_t nb = K / kBlock, np = (nb + 1) / 2, iw = ip_width(qtype);
+  Pairs p{scratch<uint8_t, 1>(M * np * 64), scratch<float, 5>(4 * M * np), nullptr, scratch<int32_t, 1>(iw * M * np),
           np};
   p.sp = p.dp + 2 * M * np;
   const uint32_t flip = qtype == kQ8_0 ? 0x80808080u : 0u;
@@ -167,7 +176,14 @@ inline Pairs pair_rows(int qtype, const int8_t* qx, const float* dx, const float
         }
         p.dp[2 * o + h] = real ? dx[m * nb + b] : 0.f;
         p.sp[2 * o + h] = real ? sx[m * nb + b] : 0.f;
-        p.ip[2 * o + h] = real ? 8 * isum[m * nb + b] : 0;
+        if (qtype == kQ6_K) {
+          int32_t first = 0;
+          for (int i = 0; i < 16 && real; ++i) first += qx[m * K + b * kBlock + i];
+          p.ip[4 * o + h] = real ? 32 * first : 0;
+          p.ip[4 * o + 2 + h] = real ? 32 * (isum[m * nb + b] - first) : 0;
+        } else {
+          p.ip[2 * o + h] = real ? 8 * isum[m * nb + b] : 0;
+        }
       }
     }
   return p;
@@ -218,6 +234,75 @@ LANE_X8_VNNI_INLINE PairW<Q> pair_load(const uint8_t* o0, const uint8_t* o1) {  
   return p;
 }
 
+// The 8 rows' fp16 fields at p as floats, each twice: lanes 2r and 2r + 1 row r's
+LANE_X8_VNNI_INLINE __m512 row_halves(const uint8_t* p) {
+  const __m512i dup = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  return _mm512_permutexvar_ps(
+      dup, _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+}
+
+// Q4_K: sub-blocks 2p and 2p + 1 of a group's super-block s (common.h's layout), lane 2r + h
+// row r's sub-block 2p + h
+LANE_X8_VNNI_INLINE PairW<kQ4_K> q4k_pair_load(const uint8_t* s, int p) {
+  PairW<kQ4_K> w;
+  const uint8_t* q = s + 128 + 256 * p;
+  const __m512i mask = _mm512_set1_epi8(0x0f);
+  for (int c = 0; c < 4; ++c) {
+    const __m512i raw = interleave(q + 32 * c, q + 128 + 32 * c);
+    w.w[c] = _mm512_and_si512(raw, mask);
+    w.w[4 + c] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), mask);
+  }
+  const __m512 d = row_halves(s), dmin = row_halves(s + 16);
+  const __m512i lo = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 32 + 16 * p)));
+  const __m128i hb = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s + 96 + 8 * p));
+  const __m512i hi = _mm512_srlv_epi32(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(hb, hb)),
+                                       _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4, 4, 4, 4, 4));
+  const __m512i m15 = _mm512_set1_epi32(15), m3 = _mm512_set1_epi32(3);
+  const __m512i sc = _mm512_or_si512(_mm512_and_si512(lo, m15), _mm512_slli_epi32(_mm512_and_si512(hi, m3), 4));
+  const __m512i mn = _mm512_or_si512(_mm512_srli_epi32(lo, 4),
+                                     _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(hi, 2), m3), 4));
+  w.d = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
+  w.m = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(mn)));
+  return w;
+}
+
+// Q5_K: as Q4_K, with each value's top bit (common.h's layout)
+LANE_X8_VNNI_INLINE PairW<kQ5_K> q5k_pair_load(const uint8_t* s, int p) {
+  const PairW<kQ4_K> q4 = q4k_pair_load(s, p);
+  PairW<kQ5_K> w;
+  w.d = q4.d, w.m = q4.m;
+  const __m512i top = interleave(s + 1152 + 64 * p, s + 1152 + 64 * p + 32), one = _mm512_set1_epi8(1);
+  for (int c = 0; c < 4; ++c) {
+    w.w[c] = _mm512_or_si512(q4.w[c], _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(top, c), one), 4));
+    w.w[4 + c] =
+        _mm512_or_si512(q4.w[4 + c], _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(top, 4 + c), one), 4));
+  }
+  return w;
+}
+
+// Q6_K: blocks 2p and 2p + 1 of a group's super-block s (common.h's layout): w[c] the 6-bit
+// values 4c.. (first halves), w[4 + c] 16 + 4c.. (second halves); d and m the halves' d * sc
+LANE_X8_VNNI_INLINE PairW<kQ6_K> q6k_pair_load(const uint8_t* s, int p) {
+  PairW<kQ6_K> w;
+  const uint8_t* lo = s + 144 + 256 * p;
+  const uint8_t* hi = s + 1168 + 128 * p;
+  const __m512i m4 = _mm512_set1_epi8(0x0f), m2 = _mm512_set1_epi8(0x03);
+  for (int c = 0; c < 4; ++c) {
+    const __m512i raw = interleave(lo + 32 * c, lo + 128 + 32 * c);
+    __m512i top = interleave(hi + 32 * (c & 1), hi + 64 + 32 * (c & 1));
+    if (c >= 2) top = _mm512_srli_epi16(top, 4);
+    w.w[c] = _mm512_or_si512(_mm512_and_si512(raw, m4), _mm512_slli_epi16(_mm512_and_si512(top, m2), 4));
+    w.w[4 + c] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw, 4), m4),
+                                 _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(top, 2), m2), 4));
+  }
+  const __m512 d = row_halves(s);
+  const uint8_t* sc = s + 16 + 32 * p;
+  w.d = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)))));
+  w.m = _mm512_mul_ps(
+      d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc + 16)))));
+  return w;
+}
+
 LANE_X8_VNNI_INLINE __m512i bcast8(const uint8_t* p) {
   int64_t v;
   std::memcpy(&v, p, 8);
@@ -253,8 +338,20 @@ LANE_X8_VNNI_INLINE __m512i pair_int_dots(const PairW<Q>& w, const uint8_t* xp, 
 template <int Q>
 LANE_X8_VNNI_INLINE __m512 pair_row(const PairW<Q>& w, const uint8_t* xp, const float* dp, const float* sp,
                                     const int32_t* ip, __m512 acc) {
+  if (Q == kQ6_K) {  // the halves apart: each (u - 32) * q_x summed exactly, then its own scale
+    __m512i s = _mm512_setzero_si512(), t = _mm512_setzero_si512();
+    for (int c = 0; c < 4; ++c) {
+      s = _mm512_dpbusd_epi32(s, w.w[c], bcast8(xp + 8 * c));
+      t = _mm512_dpbusd_epi32(t, w.w[4 + c], bcast8(xp + 32 + 8 * c));
+    }
+    s = _mm512_sub_epi32(s, bcast8(reinterpret_cast<const uint8_t*>(ip)));
+    t = _mm512_sub_epi32(t, bcast8(reinterpret_cast<const uint8_t*>(ip + 2)));
+    const __m512 dx = bcast2f(dp);
+    acc = _mm512_fmadd_ps(_mm512_mul_ps(w.d, dx), _mm512_cvtepi32_ps(s), acc);
+    return _mm512_fmadd_ps(_mm512_mul_ps(w.m, dx), _mm512_cvtepi32_ps(t), acc);
+  }
   acc = _mm512_fmadd_ps(_mm512_mul_ps(w.d, bcast2f(dp)), _mm512_cvtepi32_ps(pair_int_dots<Q>(w, xp, ip)), acc);
-  if (Q == kQ4_1) acc = _mm512_fmadd_ps(w.m, bcast2f(sp), acc);
+  if (Q == kQ4_1 || Q == kQ4_K || Q == kQ5_K) acc = _mm512_fmadd_ps(w.m, bcast2f(sp), acc);
   return acc;
 }
 
@@ -282,20 +379,27 @@ LANE_X8_VNNI inline void pair_group_rows(const uint8_t* gp, int64_t nb, const Pa
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t j = 0; j < x.np; ++j) {
-    const uint8_t* o0 = gp + 2 * j * gb;
-    prefetch_ahead(o0, 2 * gb);  // every pass: the stream must not pause while a later pass runs
+    // a pair's bytes (a K-quant's: a quarter of its super-block's), ahead: every pass, so that
+    // the stream does not pause while a later pass runs
+    constexpr bool kq = Q == kQ4_K || Q == kQ5_K || Q == kQ6_K;
+    const uint8_t* o0 = kq ? gp + (j >> 2) * gb : gp + 2 * j * gb;
+    if (kq) prefetch_ahead(gp + j * (gb / 4), gb / 4);
+    else prefetch_ahead(o0, 2 * gb);
     // (no lambda here: it would not carry the target attribute, and pair_row would not inline)
     PairW<Q> unpacked;
     const PairW<Q>* w = &unpacked;
     if constexpr (Mode == kRead) {
       w = &tile[j];
     } else {
-      unpacked = pair_load<Q>(o0, 2 * j + 1 < nb ? o0 + gb : nullptr);
+      if constexpr (Q == kQ4_K) unpacked = q4k_pair_load(o0, static_cast<int>(j & 3));
+      else if constexpr (Q == kQ5_K) unpacked = q5k_pair_load(o0, static_cast<int>(j & 3));
+      else if constexpr (Q == kQ6_K) unpacked = q6k_pair_load(o0, static_cast<int>(j & 3));
+      else unpacked = pair_load<Q>(o0, 2 * j + 1 < nb ? o0 + gb : nullptr);
       if (tile) tile[j] = unpacked;
     }
     for (int r = 0; r < R; ++r) {
       const int64_t o = (m0 + r) * x.np + j;
-      acc[r] = pair_row<Q>(*w, x.xp + 64 * o, x.dp + 2 * o, x.sp + 2 * o, x.ip + 2 * o, acc[r]);
+      acc[r] = pair_row<Q>(*w, x.xp + 64 * o, x.dp + 2 * o, x.sp + 2 * o, x.ip + ip_width(Q) * o, acc[r]);
     }
   }
   const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 0, 2, 4, 6, 8, 10, 12, 14);
@@ -313,7 +417,7 @@ LANE_X8_VNNI void pair_groups(const uint8_t* wp, const Pairs& x, const float* bi
   // rows in balanced passes of at most kPairRows (M = 20: 10 + 10); a group's weights are
   // unpacked once, so a second pass costs its rows and some loads from L1, not a second
   // unpacking (the cause of a 1.3x step from M = 8 to 9 when passes took 8 rows)
-  const int64_t nb = K / kBlock, passes = (M + kPairRows - 1) / kPairRows;
+  const int64_t nb = K / x8_values(Q), passes = (M + kPairRows - 1) / kPairRows;
   PairW<Q>* tile = passes > 1 ? scratch<PairW<Q>, 0>(x.np) : nullptr;
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* gp = wp + g * nb * group_block_bytes(Q);
@@ -342,6 +446,9 @@ LANE_X8_VNNI void groups_vnni(const uint8_t* wp, int qtype, const Pairs& x, cons
   switch (qtype) {
     case kQ4_0: pair_groups<kQ4_0, T>(wp, x, bias, y, M, N, K, g0, g1); break;
     case kQ4_1: pair_groups<kQ4_1, T>(wp, x, bias, y, M, N, K, g0, g1); break;
+    case kQ4_K: pair_groups<kQ4_K, T>(wp, x, bias, y, M, N, K, g0, g1); break;
+    case kQ5_K: pair_groups<kQ5_K, T>(wp, x, bias, y, M, N, K, g0, g1); break;
+    case kQ6_K: pair_groups<kQ6_K, T>(wp, x, bias, y, M, N, K, g0, g1); break;
     default: pair_groups<kQ8_0, T>(wp, x, bias, y, M, N, K, g0, g1);
   }
 }
@@ -466,9 +573,17 @@ void groups_scalar(const uint8_t* wp, int qtype, const int8_t* qx, const float* 
 
 }  // namespace
 
-// GGUF Q4_0 / Q4_1 / Q8_0 rows [N, K / 32 blocks] -> the x8 layout (N a multiple of 8), same size
+// Whether the x8 layout and kernel serve qtype here (out[0] 1 or 0): Q4_0 / Q4_1 / Q8_0 on every
+// CPU, the K-quants where the VNNI pair kernel runs (elsewhere kquant.cpp's kernel keeps them,
+// for every M)
+extern "C" void lane_x8_supports(int qtype, int32_t* out) {
+  out[0] = qtype == kQ4_0 || qtype == kQ4_1 || qtype == kQ8_0 || (qtype >= kQ4_K && qtype <= kQ6_K && use_vnni());
+}
+
+// GGUF rows [N, K / x8_values blocks] of a kind lane_x8_supports -> the x8 layout (N a multiple
+// of 8), same size
 extern "C" void lane_repack_x8(const uint8_t* src, int qtype, uint8_t* dst, int64_t N, int64_t K) {
-  const int64_t nb = K / kBlock, bb = ggml_block_bytes(qtype), gb = group_block_bytes(qtype);
+  const int64_t nb = K / x8_values(qtype), bb = ggml_block_bytes(qtype), gb = group_block_bytes(qtype);
   for (int64_t g = 0; g < N / kX8Rows; ++g)
     for (int64_t b = 0; b < nb; ++b)
       for (int r = 0; r < kX8Rows; ++r)
