@@ -146,6 +146,7 @@ def test_gguf_qwen3moe_equals_hf_dir_and_keeps_quantized_experts(tmp_path):
     dense, kept = LLM(q8, quantization="none", **args), LLM(q8, quantization="auto", **args)
     moe = [m for m in kept.engine.worker.model.modules() if isinstance(m, FusedMoE)]
     assert moe and all(m.ggml_kinds == {"w13": "Q8_0", "w2": "Q8_0"} and m.w13 is None and m.w2 is None for m in moe)
+    assert all(m.ggml_x8 == {"w13", "w2"} for m in moe)  # each slot repacked: the 8-row kernel
     ref = teacher_forced_logits(dense, ids, len(ids))
     for chunk in (1, len(ids)):  # decode rows and a prefill: each expert's few rows on the integer kernel
         rel = float((teacher_forced_logits(kept, ids, chunk) - ref).norm() / ref.norm())

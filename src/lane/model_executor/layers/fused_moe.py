@@ -111,6 +111,7 @@ class FusedMoE(nn.Module):
     # a GGUF's experts kept in their blocks (load_stack), by stack: "w13" / "w2" -> kind, with
     # qw13 uint8 [slots, 2I, row bytes] / qw2 [slots, H, row bytes] in place of the dense stack
     ggml_kinds: dict[str, str] = {}
+    ggml_x8: frozenset[str] = frozenset()  # the stacks whose slots prepack_experts repacked (repack_x8)
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  swiglu_limit: float | None = None) -> None:
@@ -234,6 +235,19 @@ class FusedMoE(nn.Module):
         setattr(self, "q" + name, None)
         self.ggml_kinds = {k: v for k, v in self.ggml_kinds.items() if k != name}
 
+    def prepack_experts(self) -> bool:
+        """Each slot's GGUF blocks repacked 8 rows interleaved, in place, where the kind allows (as
+        Linear.prepack does): an expert's rows then run the 8-row kernel. EPLB moves slots as they
+        are, so the layout moves with them."""
+        for name, kind in self.ggml_kinds.items():
+            q = getattr(self, "q" + name)
+            if name in self.ggml_x8 or not cpu_kernels.x8_fits(kind, q.shape[1]):
+                continue
+            for slot in range(q.shape[0]):
+                q[slot] = cpu_kernels.repack_x8(q[slot], kind, q.shape[1])
+            self.ggml_x8 = self.ggml_x8 | {name}
+        return bool(self.ggml_x8)
+
     def quantize_int8(self, activations: bool) -> None:
         """The loaded experts to int8 per (expert, output channel): qw13 / qw2 int8 with fp32
         scales (and, for w8a8, int32 weight sums); the dense stacks go."""
@@ -259,7 +273,8 @@ class FusedMoE(nn.Module):
     def _expert(self, name: str, e: int, x: torch.Tensor) -> torch.Tensor:
         if name in self.ggml_kinds:
             blocks = getattr(self, "q" + name)[e]
-            return ggml_linear(x, blocks, self.ggml_kinds[name], (blocks.shape[0], x.shape[1]))
+            return ggml_linear(x, blocks, self.ggml_kinds[name], (blocks.shape[0], x.shape[1]),
+                               x8=name in self.ggml_x8)
         if self.qkind is None:
             return linear(x, getattr(self, name)[e])
         sums = getattr(self, name + "_sums")
