@@ -52,7 +52,7 @@ def test_gguf_kernels_rows_independent(dtype):
         for w, x8 in layouts:
             if w is None:  # no x8 layout for this kind here
                 continue
-            for M in ROWS:
+            for M in ROWS + (130,):  # past the x8 kernel's 128-row block
                 x = torch.randn(M, K, generator=g).to(dtype)
                 fn = lambda r: cpu_kernels.quant_linear(r, w, kind, N, x8=x8)  # noqa: E731
                 assert torch.equal(fn(x), rows_alone(fn, x)), (kind, x8, M)

@@ -661,8 +661,9 @@ extern "C" void lane_quant_x8_linear(const void* x, int x_dtype, const uint8_t* 
       float* yb = yf + mb * N;
 #if defined(__AVX2__)
       if (use_vnni()) {
+        const int64_t iw = ip_width(qtype);  // (Q6_K: 4 ints a pair)
         const Pairs sub{pairs.xp + 64 * mb * pairs.np, pairs.dp + 2 * mb * pairs.np, pairs.sp + 2 * mb * pairs.np,
-                        pairs.ip + 2 * mb * pairs.np, pairs.np};
+                        pairs.ip + iw * mb * pairs.np, pairs.np};
         groups_vnni<float>(w, qtype, sub, bias, yb, Mb, N, K, g0, g1);
       } else {
         groups_avx2<float>(w, qtype, qx + mb * K, dx + mb * nb, sx + mb * nb, isum + mb * nb, bias, yb, Mb, N, K,
