@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -117,6 +118,38 @@ def test_kernels_on_narrower_paths(isa):
 def test_x8_maddubs_path_on_a_vnni_cpu():
     """An AVX-512 build on a VNNI CPU runs the x8 dots with dpbusd; LANE_CPU_VNNI=0 takes maddubs."""
     check_kernels_on("test_quant_linear", "avx512", LANE_CPU_VNNI="0")
+
+
+def test_x8_amx_tiles_equal_the_pair_kernel():
+    """Where the CPU has AMX-INT8, the x8 kernels run many rows on int8 tiles: every kind's output,
+    fp32 and bf16, with a bias, an odd group count (8 columns of a 16-column unit) and rows not a
+    multiple of the 16-row tile, equals the VNNI pair kernel's bit for bit (the kernel built by
+    this machine's GCC: GCC 12 drops a stack tile config that _tile_loadconfig is given)."""
+    assert cpu_kernels.build()
+    if not cpu_kernels.x8_amx()[0]:
+        pytest.skip("no AMX-INT8 here (or LANE_CPU_AMX=0): the pair kernel runs every row count")
+    from test_kquant import random_blocks as kquant_blocks
+    g = torch.Generator().manual_seed(3)
+    rng = np.random.default_rng(3)
+    _, min_rows = cpu_kernels.x8_amx()
+    try:
+        cpu_kernels.x8_amx(min_rows=1)
+        for kind in cpu_kernels.x8_kinds():
+            for N, K in ((40, 512), (16, 768)):
+                blocks = torch.from_numpy(kquant_blocks(kind, N, K, rng)) if kind in cpu_kernels.K_KINDS else \
+                    random_blocks(kind, N, K, g)
+                packed = cpu_kernels.repack_x8(blocks, kind, N)
+                bias = torch.randn(N, generator=g)
+                for M in (1, 16, 23, 130):
+                    for dtype in (torch.float32, torch.bfloat16):
+                        x = (torch.randn(M, K, generator=g) * 3).to(dtype)
+                        cpu_kernels.x8_amx(True)
+                        tiles = cpu_kernels.quant_linear(x, packed, kind, N, bias, x8=True)
+                        cpu_kernels.x8_amx(False)
+                        pairs = cpu_kernels.quant_linear(x, packed, kind, N, bias, x8=True)
+                        assert torch.equal(tiles, pairs), (kind, N, K, M, dtype)
+    finally:
+        cpu_kernels.x8_amx(True, min_rows)
 
 
 def test_smollm_quantized_memory_and_perplexity(smollm_gguf):

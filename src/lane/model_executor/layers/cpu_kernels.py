@@ -46,7 +46,7 @@ _SOURCES = ("quant_x8.cpp", "paged_attention.cpp", "int8_linear.cpp", "kquant.cp
             "threads.cpp")
 # round as the numpy reference does
 _SOURCE_CFLAGS = {"dequant.cpp": ["-ffp-contract=off"], "kquant.cpp": ["-ffp-contract=off"]}
-_HEADERS = ("common.h", "kquant_avx512.inc")
+_HEADERS = ("common.h", "kquant_avx512.inc", "quant_x8_amx.inc")
 # no -ffast-math: its finite-math-only would fold the kernels' -inf checks away
 _CFLAGS = ["-O3", "-std=c++17", "-fPIC", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
            "-fassociative-math", "-fno-signed-zeros", "-freciprocal-math", "-ffp-contract=fast"]
@@ -461,6 +461,18 @@ def x8_kinds() -> tuple[str, ...]:
         if ok.item():
             kinds.append(kind)
     return tuple(kinds)
+
+
+def x8_amx(enable: bool | None = None, min_rows: int | None = None) -> tuple[bool, int]:
+    """Whether the x8 kernels run M >= min_rows on AMX int8 tiles here (the CPU has AMX-INT8 and
+    the kernel granted the tile state; LANE_CPU_AMX=0 turns it off), and that min_rows. With
+    ``enable`` / ``min_rows``, set them first (tests and benchmarks: the tiles give the pair
+    kernel's rows bit for bit, so switching changes speed only)."""
+    if _lib is None:
+        return False, 0
+    out = torch.zeros(2, dtype=torch.int64)
+    _lib.lane_x8_amx(-1 if enable is None else int(enable), min_rows or 0, out.data_ptr())
+    return bool(out[0]), int(out[1])
 
 
 def x8_fits(kind: str, N: int) -> bool:

@@ -18,8 +18,13 @@
 // activations' half sums, each times its own d * sc.
 #include "common.h"
 
+#include <atomic>
+
 #if defined(__AVX2__)
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 namespace {
@@ -542,6 +547,10 @@ void groups_avx2(const uint8_t* wp, int qtype, const int8_t* qx, const float* dx
 
 #undef LANE_X8_GROUPS
 
+#if defined(__AVX512F__)
+#include "quant_x8_amx.inc"
+#endif
+
 #endif
 
 template <typename T>
@@ -636,12 +645,26 @@ extern "C" void lane_quant_x8_block_dots(const int8_t* qx, const uint8_t* w, int
       }
 }
 
+// Whether the x8 kernels take AMX tiles here (out[0]), and from how many rows (out[1]); with
+// on >= 0, set that first (on 0: never; min_rows > 0: the new threshold). For the tests and
+// benchmarks, which run the same rows through both kernels.
+extern "C" void lane_x8_amx(int on, int64_t min_rows, int64_t* out) {
+#if defined(__AVX512F__)
+  if (on >= 0) amx_enabled.store(on, std::memory_order_relaxed);
+  if (min_rows > 0) kAmxMinRows = min_rows;
+  out[0] = amx_usable(), out[1] = kAmxMinRows;
+#else
+  (void)on, (void)min_rows;
+  out[0] = 0, out[1] = 0;
+#endif
+}
+
 // y [M, N] (y_dtype) = x [M, K] (x_dtype) . W^T, W in the x8 layout (+ bias fp32); x is
 // quantized to 8-bit blocks once per call
 extern "C" void lane_quant_x8_linear(const void* x, int x_dtype, const uint8_t* w, int qtype, const float* bias,
                                      void* y, int y_dtype, int64_t M, int64_t N, int64_t K, int threads) {
   const int64_t nb = K / kBlock;
-  int8_t* qx = scratch<int8_t, 2>(M * K);
+  int8_t* qx = scratch<int8_t, 2>((M + 16) * K);  // (+ 16: the AMX tiles read whole 16-row tiles)
   float* dx = scratch<float, 4>(2 * M * nb);
   float* sx = dx + M * nb;
   int32_t* isum = scratch<int32_t, 0>(M * nb);
@@ -652,16 +675,31 @@ extern "C" void lane_quant_x8_linear(const void* x, int x_dtype, const uint8_t* 
   // the kernels write fp32 (one instantiation per kind and row count, not three: the build's
   // longest unit), rounded to y's dtype per thread while its columns are in cache
   float* yf = y_dtype == kF32 ? static_cast<float*>(y) : scratch<float, 8>(M * N);
-  parallel_for(N / kX8Rows, 4, threads, [&](int64_t g0, int64_t g1) {
+  const int64_t groups = N / kX8Rows;
+#if defined(__AVX512F__)
+  // AMX tiles from kAmxMinRows rows (bit for bit the pair kernel's rows, so the switch keeps
+  // batch invariance): threads take units of 16 columns
+  const bool amx = M >= kAmxMinRows && amx_usable();
+#else
+  constexpr bool amx = false;
+#endif
+  parallel_for(amx ? (groups + 1) / 2 : groups, amx ? 2 : 4, threads, [&](int64_t u0, int64_t u1) {
+    int64_t g0 = u0, g1 = u1;
+#if defined(__AVX512F__)
+    if (amx) {
+      amx_units_of(qtype, w, qx, pairs, bias, yf, M, N, K, u0, u1);
+      g0 = 2 * u0, g1 = 2 * u1 < groups ? 2 * u1 : groups;
+    }
+#endif
     // rows in blocks of kRowBlock, each against all the thread's weight groups: a block's
     // activations stay in L2 while the weights stream past (a prefill's whole M would be
     // re-read from L3 for every group). A row's arithmetic does not depend on its block.
-    for (int64_t mb = 0; mb < M; mb += kRowBlock) {
+    for (int64_t mb = 0; mb < M && !amx; mb += kRowBlock) {
       const int64_t Mb = M - mb < kRowBlock ? M - mb : kRowBlock;
       float* yb = yf + mb * N;
 #if defined(__AVX2__)
       if (use_vnni()) {
-        const int64_t iw = ip_width(qtype);  // (Q6_K: 4 ints a pair)
+        const int64_t iw = ip_width(qtype);
         const Pairs sub{pairs.xp + 64 * mb * pairs.np, pairs.dp + 2 * mb * pairs.np, pairs.sp + 2 * mb * pairs.np,
                         pairs.ip + iw * mb * pairs.np, pairs.np};
         groups_vnni<float>(w, qtype, sub, bias, yb, Mb, N, K, g0, g1);
