@@ -134,7 +134,7 @@ def test_x8_amx_tiles_equal_the_pair_kernel():
     _, min_rows = cpu_kernels.x8_amx()
     try:
         cpu_kernels.x8_amx(min_rows=1)
-        for kind in cpu_kernels.x8_kinds():
+        for kind in set(cpu_kernels.x8_kinds()) - {"Q6_K"}:  # (Q6_K stays on the pair kernel)
             for N, K in ((40, 512), (16, 768)):
                 blocks = torch.from_numpy(kquant_blocks(kind, N, K, rng)) if kind in cpu_kernels.K_KINDS else \
                     random_blocks(kind, N, K, g)

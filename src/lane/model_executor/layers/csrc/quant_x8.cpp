@@ -679,7 +679,7 @@ extern "C" void lane_quant_x8_linear(const void* x, int x_dtype, const uint8_t* 
 #if defined(__AVX512F__)
   // AMX tiles from kAmxMinRows rows (bit for bit the pair kernel's rows, so the switch keeps
   // batch invariance): threads take units of 16 columns
-  const bool amx = M >= kAmxMinRows && amx_usable();
+  const bool amx = M >= kAmxMinRows && qtype != kQ6_K && amx_usable();
 #else
   constexpr bool amx = false;
 #endif

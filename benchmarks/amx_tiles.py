@@ -1,0 +1,79 @@
+"""The x8 kernels' AMX-INT8 tiles against the VNNI pair kernel, on the same rows in one run:
+time of one quantized linear layer on SmolLM2's shapes (576 -> 1536 and 1536 -> 576; 768 for the
+K-quants) by row
+count, per kind, one thread (the tiles give the pair kernel's outputs bit for bit, so the
+switch is a matter of speed only; the kernels take AMX from `lane_x8_amx`'s threshold).
+
+    python benchmarks/amx_tiles.py [--kinds Q4_0,Q4_1,Q8_0,Q4_K,Q5_K] [--rows 8,16,32,64,128,512]
+
+Needs a CPU with AMX-INT8 (Sapphire Rapids or later). The last line is a JSON object:
+pair kernel time / tile time per kind, shape and row count (> 1: the tiles are faster).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+
+
+def best_us(fn, reps: int = 20, rounds: int = 3) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / reps)
+    return best * 1e6
+
+
+def main() -> None:
+    from test_kquant import random_blocks as kquant_blocks
+    from test_quant_linear import random_blocks
+
+    from lane.model_executor.layers import cpu_kernels
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--kinds", default="Q4_0,Q4_1,Q8_0,Q4_K,Q5_K")  # (Q6_K stays on the pair kernel)
+    ap.add_argument("--rows", default="8,16,32,64,128,512")
+    args = ap.parse_args()
+    assert cpu_kernels.build(), "the CPU kernels did not build"
+    usable, threshold = cpu_kernels.x8_amx()
+    if not usable:
+        sys.exit("no AMX-INT8 here (or LANE_CPU_AMX=0): nothing to compare")
+    torch.set_num_threads(1)
+    g, rng = torch.Generator().manual_seed(0), np.random.default_rng(0)
+    out: dict = {"amx_min_rows": threshold}
+    try:
+        for kind in args.kinds.split(","):
+            # SmolLM2's widths; 768 for the K-quants, whose rows are whole super-blocks of 256
+            width = 768 if kind in cpu_kernels.K_KINDS else 576
+            for N, K in ((1536, width), (width, 1536)):
+                blocks = torch.from_numpy(kquant_blocks(kind, N, K, rng)) if kind in cpu_kernels.K_KINDS else \
+                    random_blocks(kind, N, K, g)
+                packed = cpu_kernels.repack_x8(blocks, kind, N)
+                cells = []
+                for M in map(int, args.rows.split(",")):
+                    x = torch.randn(M, K, generator=g).to(torch.bfloat16)
+                    run = lambda: cpu_kernels.quant_linear(x, packed, kind, N, x8=True)  # noqa: E731
+                    cpu_kernels.x8_amx(True, 1)
+                    tiles = best_us(run)
+                    cpu_kernels.x8_amx(False)
+                    pairs = best_us(run)
+                    out[f"{kind} {K}->{N} M={M}"] = round(pairs / tiles, 2)
+                    cells.append(f"M={M} {pairs:6.0f}/{tiles:6.0f} us ({pairs / tiles:4.2f}x)")
+                print(f"{kind:5s} {K:4d}->{N:4d}  pair/tiles: " + "  ".join(cells), flush=True)
+    finally:
+        cpu_kernels.x8_amx(True, threshold)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
