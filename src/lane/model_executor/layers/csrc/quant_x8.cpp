@@ -308,6 +308,17 @@ LANE_X8_VNNI_INLINE PairW<kQ6_K> q6k_pair_load(const uint8_t* s, int p) {
   return w;
 }
 
+// Pair j (blocks 2j, 2j + 1) of a group's nb blocks at gp, unpacked: the K-quants' pairs are
+// quarters of a super-block, the 32-blocks' whole blocks (an odd last one pairs with zeros)
+template <int Q>
+LANE_X8_VNNI_INLINE PairW<Q> pair_at(const uint8_t* gp, int64_t j, int64_t nb) {
+  const int64_t gb = group_block_bytes(Q);
+  if constexpr (Q == kQ4_K) return q4k_pair_load(gp + (j >> 2) * gb, static_cast<int>(j & 3));
+  else if constexpr (Q == kQ5_K) return q5k_pair_load(gp + (j >> 2) * gb, static_cast<int>(j & 3));
+  else if constexpr (Q == kQ6_K) return q6k_pair_load(gp + (j >> 2) * gb, static_cast<int>(j & 3));
+  else return pair_load<Q>(gp + 2 * j * gb, 2 * j + 1 < nb ? gp + (2 * j + 1) * gb : nullptr);
+}
+
 LANE_X8_VNNI_INLINE __m512i bcast8(const uint8_t* p) {
   int64_t v;
   std::memcpy(&v, p, 8);
@@ -386,20 +397,15 @@ LANE_X8_VNNI inline void pair_group_rows(const uint8_t* gp, int64_t nb, const Pa
   for (int64_t j = 0; j < x.np; ++j) {
     // a pair's bytes (a K-quant's: a quarter of its super-block's), ahead: every pass, so that
     // the stream does not pause while a later pass runs
-    constexpr bool kq = Q == kQ4_K || Q == kQ5_K || Q == kQ6_K;
-    const uint8_t* o0 = kq ? gp + (j >> 2) * gb : gp + 2 * j * gb;
-    if (kq) prefetch_ahead(gp + j * (gb / 4), gb / 4);
-    else prefetch_ahead(o0, 2 * gb);
+    if constexpr (Q == kQ4_K || Q == kQ5_K || Q == kQ6_K) prefetch_ahead(gp + j * (gb / 4), gb / 4);
+    else prefetch_ahead(gp + 2 * j * gb, 2 * gb);
     // (no lambda here: it would not carry the target attribute, and pair_row would not inline)
     PairW<Q> unpacked;
     const PairW<Q>* w = &unpacked;
     if constexpr (Mode == kRead) {
       w = &tile[j];
     } else {
-      if constexpr (Q == kQ4_K) unpacked = q4k_pair_load(o0, static_cast<int>(j & 3));
-      else if constexpr (Q == kQ5_K) unpacked = q5k_pair_load(o0, static_cast<int>(j & 3));
-      else if constexpr (Q == kQ6_K) unpacked = q6k_pair_load(o0, static_cast<int>(j & 3));
-      else unpacked = pair_load<Q>(o0, 2 * j + 1 < nb ? o0 + gb : nullptr);
+      unpacked = pair_at<Q>(gp, j, nb);
       if (tile) tile[j] = unpacked;
     }
     for (int r = 0; r < R; ++r) {
@@ -651,8 +657,8 @@ extern "C" void lane_quant_x8_block_dots(const int8_t* qx, const uint8_t* w, int
 extern "C" void lane_x8_amx(int on, int64_t min_rows, int64_t* out) {
 #if defined(__AVX512F__)
   if (on >= 0) amx_enabled.store(on, std::memory_order_relaxed);
-  if (min_rows > 0) kAmxMinRows = min_rows;
-  out[0] = amx_usable(), out[1] = kAmxMinRows;
+  if (min_rows > 0) amx_min_rows = min_rows;
+  out[0] = amx_usable(), out[1] = amx_min_rows;
 #else
   (void)on, (void)min_rows;
   out[0] = 0, out[1] = 0;
@@ -677,9 +683,9 @@ extern "C" void lane_quant_x8_linear(const void* x, int x_dtype, const uint8_t* 
   float* yf = y_dtype == kF32 ? static_cast<float*>(y) : scratch<float, 8>(M * N);
   const int64_t groups = N / kX8Rows;
 #if defined(__AVX512F__)
-  // AMX tiles from kAmxMinRows rows (bit for bit the pair kernel's rows, so the switch keeps
+  // AMX tiles from amx_min_rows rows (bit for bit the pair kernel's rows, so the switch keeps
   // batch invariance): threads take units of 16 columns
-  const bool amx = M >= kAmxMinRows && qtype != kQ6_K && amx_usable();
+  const bool amx = M >= amx_min_rows && qtype != kQ6_K && amx_usable();
 #else
   constexpr bool amx = false;
 #endif
