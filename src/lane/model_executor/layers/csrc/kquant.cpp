@@ -28,8 +28,6 @@ using namespace lane;
 
 constexpr int QK = 256;
 
-inline int64_t kblock_bytes(int kind) { return ggml_block_bytes(kind); }
-
 // A super-block's scales per 16 values (sc), the multipliers of the q_x sums per 16 (mm)
 // and the two float factors: dot = da * sum sc_j dot_j(u, q_x) - db * sum mm_j bsum_j.
 struct Scales {
@@ -80,7 +78,7 @@ inline void unpack(const uint8_t* blk, uint8_t* u) {
 template <int KIND, typename T>
 void dequant_blocks(const uint8_t* src, int64_t b0, int64_t b1, T* dst) {
   for (int64_t b = b0; b < b1; ++b) {
-    const uint8_t* blk = src + b * kblock_bytes(KIND);
+    const uint8_t* blk = src + b * ggml_block_bytes(KIND);
     uint8_t u[QK];
     Scales s;
     unpack<KIND>(blk, u);
@@ -110,12 +108,12 @@ inline void dot_generic(const uint8_t* u, const Scales& s, const int8_t* qx, con
 template <int KIND>
 void rows_generic(const uint8_t* wp, const int8_t* qx, const float* dx, const int16_t* bs, float* yf, int64_t M,
                   int64_t N, int64_t K, int64_t n0, int64_t n1) {
-  const int64_t nb = K / QK, row = nb * kblock_bytes(KIND);
+  const int64_t nb = K / QK, row = nb * ggml_block_bytes(KIND);
   std::vector<float> acc(M);
   for (int64_t n = n0; n < n1; ++n) {
     for (int64_t m = 0; m < M; ++m) acc[m] = 0.f;
     for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blk = wp + n * row + b * kblock_bytes(KIND);
+      const uint8_t* blk = wp + n * row + b * ggml_block_bytes(KIND);
       uint8_t u[QK];
       Scales s;
       unpack<KIND>(blk, u);  // once for every input row
@@ -195,12 +193,12 @@ inline float hsum(__m256 v) {
 template <int KIND, int R>
 void rows_avx2(const uint8_t* wp, const int8_t* qx, const float* dx, const int16_t* bs, float* yf, int64_t N,
                int64_t K, int64_t n0, int64_t n1) {
-  const int64_t nb = K / QK, row = nb * kblock_bytes(KIND);
+  const int64_t nb = K / QK, row = nb * ggml_block_bytes(KIND);
   for (int64_t n = n0; n < n1; ++n) {
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blk = wp + n * row + b * kblock_bytes(KIND);
+      const uint8_t* blk = wp + n * row + b * ggml_block_bytes(KIND);
       __m256i sc16, mm;
       float da, db;
       scales_simd<KIND>(blk, sc16, mm, da, db);
@@ -343,10 +341,10 @@ extern "C" void lane_kquant_sub_dots(const int8_t* qx, const void* w, int kind, 
                                      int64_t K) {
   LANE_KQ_DISPATCH(kind, {
     const int sub = KIND == kQ6_K ? 16 : 32, off = KIND == kQ6_K ? 32 : 0;
-    const int64_t nb = K / QK, row = nb * kblock_bytes(KIND), ns = K / sub;
+    const int64_t nb = K / QK, row = nb * ggml_block_bytes(KIND), ns = K / sub;
     for (int64_t n = 0; n < N; ++n)
       for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* blk = static_cast<const uint8_t*>(w) + n * row + b * kblock_bytes(KIND);
+        const uint8_t* blk = static_cast<const uint8_t*>(w) + n * row + b * ggml_block_bytes(KIND);
         alignas(32) uint8_t u[QK];
 #if defined(__AVX2__)
         for (int c = 0; c < 8; ++c) _mm256_store_si256(reinterpret_cast<__m256i*>(u + 32 * c), chunk<KIND>(blk, c));
