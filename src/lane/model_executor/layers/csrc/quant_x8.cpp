@@ -675,25 +675,26 @@ extern "C" void lane_quant_x8_linear(const void* x, int x_dtype, const uint8_t* 
   float* sx = dx + M * nb;
   int32_t* isum = scratch<int32_t, 0>(M * nb);
   quantize_rows_q8(x, x_dtype, qx, dx, sx, isum, M, K);
+#if defined(__AVX512F__)
+  // AMX tiles from amx_min_rows rows (bit for bit the pair kernel's rows, so the switch keeps
+  // batch invariance): threads take units of 16 columns
+  const bool amx = M >= amx_min_rows && qtype != kQ6_K && amx_usable();
+  const AmxActs acts = amx ? amx_acts(qx, dx, sx, isum, M, K) : AmxActs{};
+#else
+  constexpr bool amx = false;
+#endif
 #if defined(__AVX2__)
-  const Pairs pairs = use_vnni() ? pair_rows(qtype, qx, dx, sx, isum, M, K) : Pairs{};
+  const Pairs pairs = use_vnni() && !amx ? pair_rows(qtype, qx, dx, sx, isum, M, K) : Pairs{};
 #endif
   // the kernels write fp32 (one instantiation per kind and row count, not three: the build's
   // longest unit), rounded to y's dtype per thread while its columns are in cache
   float* yf = y_dtype == kF32 ? static_cast<float*>(y) : scratch<float, 8>(M * N);
   const int64_t groups = N / kX8Rows;
-#if defined(__AVX512F__)
-  // AMX tiles from amx_min_rows rows (bit for bit the pair kernel's rows, so the switch keeps
-  // batch invariance): threads take units of 16 columns
-  const bool amx = M >= amx_min_rows && qtype != kQ6_K && amx_usable();
-#else
-  constexpr bool amx = false;
-#endif
   parallel_for(amx ? (groups + 1) / 2 : groups, amx ? 2 : 4, threads, [&](int64_t u0, int64_t u1) {
     int64_t g0 = u0, g1 = u1;
 #if defined(__AVX512F__)
     if (amx) {
-      amx_units_of(qtype, w, qx, pairs, bias, yf, M, N, K, u0, u1);
+      amx_units_of(qtype, w, acts, bias, yf, M, N, K, u0, u1);
       g0 = 2 * u0, g1 = 2 * u1 < groups ? 2 * u1 : groups;
     }
 #endif
@@ -721,8 +722,13 @@ extern "C" void lane_quant_x8_linear(const void* x, int x_dtype, const uint8_t* 
     if (y_dtype != kF32)
       LANE_DISPATCH(y_dtype, T, {
         T* yp = static_cast<T*>(y);
-        for (int64_t m = 0; m < M; ++m)
-          for (int64_t n = g0 * kX8Rows; n < g1 * kX8Rows; ++n) yp[m * N + n] = from_f<T>(yf[m * N + n]);
+        for (int64_t m = 0; m < M; ++m) {
+          int64_t n = g0 * kX8Rows;
+#if defined(__AVX2__)
+          for (; n + 8 <= g1 * kX8Rows; n += 8) store8(yp + m * N + n, _mm256_loadu_ps(yf + m * N + n));
+#endif
+          for (; n < g1 * kX8Rows; ++n) yp[m * N + n] = from_f<T>(yf[m * N + n]);
+        }
       });
   });
 }
