@@ -345,6 +345,11 @@ void parallel_for(int64_t n, int64_t grain, int threads, const F& f) {
   }
 }
 
+// Item k of n in an order whose every contiguous range mixes both ends (0, n - 1, 1, n - 2, ...):
+// split into parallel_for's contiguous ranges, work that grows with the index (a prefill's
+// causal rows) comes out even, where halves would give one thread three times the other's
+inline int64_t zigzag(int64_t k, int64_t n) { return k % 2 == 0 ? k / 2 : n - 1 - k / 2; }
+
 }  // namespace lane
 
 // Calls body with T bound to the C++ type of dtype code `code`.

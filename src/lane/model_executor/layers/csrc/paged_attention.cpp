@@ -94,8 +94,8 @@ void decode_kernel(const T* q, const Rows& cache, const int64_t* tables,
   parallel_for(B * KVH, 1, threads, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), acc(G * D), s(G * BS), m(G), l(G);
     alignas(64) float rows[4][kMaxD];
-    for (int64_t pair = begin; pair < end; ++pair) {
-      const int64_t b = pair / KVH, h = pair % KVH;
+    for (int64_t k = begin; k < end; ++k) {
+      const int64_t pair = zigzag(k, B * KVH), b = pair / KVH, h = pair % KVH;
       const int64_t L = lens[b];
       for (int64_t g = 0; g < G; ++g) {
         load_row(q + (b * H + h * G + g) * D, &qf[g * D], D);
@@ -252,8 +252,8 @@ void decode_avx512(const T* q_, const T* kc_, const T* vc_, const int64_t* table
     std::vector<float> pbuf(16 * G + 16);
     float* p = pbuf.data();
     const __m512 vscale = _mm512_set1_ps(scale);
-    for (int64_t pair = begin; pair < end; ++pair) {
-      const int64_t b = pair / KVH, h = pair % KVH;
+    for (int64_t k = begin; k < end; ++k) {
+      const int64_t pair = zigzag(k, B * KVH), b = pair / KVH, h = pair % KVH;
       const int64_t L = lens[b];
       for (int64_t g = 0; g < G; ++g) {
         for (int i = 0; i < DV; ++i) {
