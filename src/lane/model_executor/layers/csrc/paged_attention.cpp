@@ -248,7 +248,7 @@ void decode_avx512(const T* q_, const T* kc_, const T* vc_, const int64_t* table
   parallel_for(B * KVH, 1, threads, [&](int64_t begin, int64_t end) {
     std::vector<__m512> qv(G * DV), acc(G * DV);
     std::vector<float> m(G), l(G);
-    alignas(64) float kf[BS * D];  // the block's K rows widened
+    alignas(64) float kf[BS * D];  // the block's K rows widened, then its V rows
     std::vector<float> pbuf(16 * G + 16);
     float* p = pbuf.data();
     const __m512 vscale = _mm512_set1_ps(scale);
@@ -298,13 +298,19 @@ void decode_avx512(const T* q_, const T* kc_, const T* vc_, const int64_t* table
           const __m512 vc_ = _mm512_set1_ps(c);
           for (int i = 0; i < DV; ++i) acc[g * DV + i] = _mm512_mul_ps(acc[g * DV + i], vc_);
         }
-        for (int64_t t = 0; t < n; ++t) {  // acc += p . v: each V row widened once for every head
-          __m512 vr[DV];
-          for (int i = 0; i < DV; ++i) vr[i] = load16(vc + base + t * D + 16 * i);
-          for (int64_t g = 0; g < G; ++g) {
+        // acc += p . v, head by head with its accumulators in registers (a count of heads known
+        // only at run time kept them in memory, a load and a store at every FMA), over the
+        // block's V rows widened once for every head; each lane's sum runs over t in order
+        for (int64_t t = 0; t < n; ++t)
+          for (int i = 0; i < DV; ++i) _mm512_store_ps(kf + t * D + 16 * i, load16(vc + base + t * D + 16 * i));
+        for (int64_t g = 0; g < G; ++g) {
+          __m512 a[DV];
+          for (int i = 0; i < DV; ++i) a[i] = acc[g * DV + i];
+          for (int64_t t = 0; t < n; ++t) {
             const __m512 pt = _mm512_set1_ps(p[16 * g + t]);
-            for (int i = 0; i < DV; ++i) acc[g * DV + i] = _mm512_fmadd_ps(pt, vr[i], acc[g * DV + i]);
+            for (int i = 0; i < DV; ++i) a[i] = _mm512_fmadd_ps(pt, _mm512_load_ps(kf + t * D + 16 * i), a[i]);
           }
+          for (int i = 0; i < DV; ++i) acc[g * DV + i] = a[i];
         }
       }
       for (int64_t g = 0; g < G; ++g) {
