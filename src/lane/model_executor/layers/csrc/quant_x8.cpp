@@ -686,22 +686,19 @@ extern "C" void lane_quant_x8_linear(const void* x, int x_dtype, const uint8_t* 
 #if defined(__AVX2__)
   const Pairs pairs = use_vnni() && !amx ? pair_rows(qtype, qx, dx, sx, isum, M, K) : Pairs{};
 #endif
-  // the kernels write fp32 (one instantiation per kind and row count, not three: the build's
-  // longest unit), rounded to y's dtype per thread while its columns are in cache
-  float* yf = y_dtype == kF32 ? static_cast<float*>(y) : scratch<float, 8>(M * N);
+  // the pair kernels write fp32 (one instantiation per kind and row count, not three: the
+  // build's longest unit), rounded to y's dtype per thread while its columns are in cache; the
+  // tiles write y's dtype
+  float* yf = y_dtype == kF32 || amx ? static_cast<float*>(y) : scratch<float, 8>(M * N);
   const int64_t groups = N / kX8Rows;
-  parallel_for(amx ? (groups + 1) / 2 : groups, amx ? 2 : 4, threads, [&](int64_t u0, int64_t u1) {
-    int64_t g0 = u0, g1 = u1;
+  parallel_for(amx ? (groups + 1) / 2 : groups, amx ? 2 : 4, threads, [&](int64_t g0, int64_t g1) {
 #if defined(__AVX512F__)
-    if (amx) {
-      amx_units_of(qtype, w, acts, bias, yf, M, N, K, u0, u1);
-      g0 = 2 * u0, g1 = 2 * u1 < groups ? 2 * u1 : groups;
-    }
+    if (amx) return amx_units_of(qtype, w, acts, bias, y, y_dtype, M, N, K, g0, g1);  // (units of 2 groups)
 #endif
     // rows in blocks of kRowBlock, each against all the thread's weight groups: a block's
     // activations stay in L2 while the weights stream past (a prefill's whole M would be
     // re-read from L3 for every group). A row's arithmetic does not depend on its block.
-    for (int64_t mb = 0; mb < M && !amx; mb += kRowBlock) {
+    for (int64_t mb = 0; mb < M; mb += kRowBlock) {
       const int64_t Mb = M - mb < kRowBlock ? M - mb : kRowBlock;
       float* yb = yf + mb * N;
 #if defined(__AVX2__)
