@@ -245,30 +245,39 @@ void decode_avx512(const T* q_, const T* kc_, const T* vc_, const int64_t* table
   const E* vc = reinterpret_cast<const E*>(vc_);
   const int64_t G = H / KVH;
   const int64_t blk_stride = KVH * BS * D;
-  parallel_for(B * KVH, 1, threads, [&](int64_t begin, int64_t end) {
-    std::vector<__m512> qv(G * DV), acc(G * DV);
-    std::vector<float> m(G), l(G);
+  // Rows that read one table (MB 0: a prefill chunk's rows, each attended as a decode row at
+  // its position) go R at a time, sharing each block's widened K and V rows; a row's
+  // arithmetic is the same as alone (lanes past its length are masked out of its softmax and
+  // sums), so its output is too.
+  const int64_t R = MB == 0 ? 4 : 1, groups = (B + R - 1) / R;
+  parallel_for(groups * KVH, 1, threads, [&](int64_t begin, int64_t end) {
+    std::vector<__m512> qv(R * G * DV), acc(R * G * DV);
+    std::vector<float> m(R * G), l(R * G), p(R * 16 * G);
     alignas(64) float kf[BS * D];  // the block's K rows widened, then its V rows
-    std::vector<float> pbuf(16 * G + 16);
-    float* p = pbuf.data();
     const __m512 vscale = _mm512_set1_ps(scale);
     for (int64_t k = begin; k < end; ++k) {
-      const int64_t pair = zigzag(k, B * KVH), b = pair / KVH, h = pair % KVH;
-      const int64_t L = lens[b];
-      for (int64_t g = 0; g < G; ++g) {
-        for (int i = 0; i < DV; ++i) {
-          qv[g * DV + i] = _mm512_mul_ps(load16(qp + (b * H + h * G + g) * D + 16 * i), vscale);
-          acc[g * DV + i] = _mm512_setzero_ps();
+      const int64_t item = zigzag(k, groups * KVH), b0 = item / KVH * R, h = item % KVH;
+      const int64_t rows = std::min(R, B - b0);
+      int64_t Lmax = 0;
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t b = b0 + r;
+        Lmax = std::max<int64_t>(Lmax, lens[b]);
+        for (int64_t g = 0; g < G; ++g) {
+          for (int i = 0; i < DV; ++i) {
+            qv[(r * G + g) * DV + i] = _mm512_mul_ps(load16(qp + (b * H + h * G + g) * D + 16 * i), vscale);
+            acc[(r * G + g) * DV + i] = _mm512_setzero_ps();
+          }
+          m[r * G + g] = -INFINITY;
+          l[r * G + g] = 0.f;
         }
-        m[g] = -INFINITY;
-        l[g] = 0.f;
       }
-      const int64_t nblocks = (L + BS - 1) / BS;
+      const int64_t* table = tables + b0 * MB;
+      const int64_t nblocks = (Lmax + BS - 1) / BS;
       for (int64_t j = 0; j < nblocks; ++j) {
-        const int64_t base = tables[b * MB + j] * blk_stride + h * BS * D;
-        const int64_t n = std::min(BS, L - j * BS);
+        const int64_t base = table[j] * blk_stride + h * BS * D;
+        const int64_t n = std::min(BS, Lmax - j * BS);  // the longest row's
         if (j + 1 < nblocks) {
-          const int64_t next = tables[b * MB + j + 1] * blk_stride + h * BS * D;
+          const int64_t next = table[j + 1] * blk_stride + h * BS * D;
           for (int64_t off = 0; off < BS * D; off += 64 / static_cast<int64_t>(sizeof(E))) {
             _mm_prefetch(reinterpret_cast<const char*>(kc + next + off), _MM_HINT_T0);
             _mm_prefetch(reinterpret_cast<const char*>(vc + next + off), _MM_HINT_T0);
@@ -278,49 +287,60 @@ void decode_avx512(const T* q_, const T* kc_, const T* vc_, const int64_t* table
         for (int64_t t = 0; t < BS; ++t)
           for (int i = 0; i < DV; ++i)
             _mm512_store_ps(kf + t * D + 16 * i, t < n ? load16(kc + base + t * D + 16 * i) : _mm512_setzero_ps());
-        const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
-        for (int64_t g = 0; g < G; ++g) {  // scores and softmax, head by head
-          const __m512* qg = &qv[g * DV];
-          __m512 dots[BS];
-          for (int64_t t = 0; t < BS; ++t) {
-            __m512 a = _mm512_mul_ps(qg[0], _mm512_load_ps(kf + t * D));
-            for (int i = 1; i < DV; ++i) a = _mm512_fmadd_ps(qg[i], _mm512_load_ps(kf + t * D + 16 * i), a);
-            dots[t] = a;
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t nr = std::min<int64_t>(BS, lens[b0 + r] - j * BS);  // this row's
+          if (nr <= 0) continue;
+          const __mmask16 valid = static_cast<__mmask16>((1u << nr) - 1u);
+          for (int64_t g = 0; g < G; ++g) {  // scores and softmax, head by head
+            const int64_t rg = r * G + g;
+            const __m512* qg = &qv[rg * DV];
+            __m512 dots[BS];
+            for (int64_t t = 0; t < BS; ++t) {
+              __m512 a = _mm512_mul_ps(qg[0], _mm512_load_ps(kf + t * D));
+              for (int i = 1; i < DV; ++i) a = _mm512_fmadd_ps(qg[i], _mm512_load_ps(kf + t * D + 16 * i), a);
+              dots[t] = a;
+            }
+            const __m512 sv = transpose_sum16(dots);
+            const float bm = _mm512_mask_reduce_max_ps(valid, sv);
+            const float mb = bm > m[rg] ? bm : m[rg];
+            const __m512 e = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(sv, _mm512_set1_ps(mb))));
+            const float c = m[rg] == -INFINITY ? 0.f : fast_exp(m[rg] - mb);
+            l[rg] = l[rg] * c + _mm512_reduce_add_ps(e);
+            m[rg] = mb;
+            _mm512_storeu_ps(&p[16 * rg], e);
+            const __m512 vc_ = _mm512_set1_ps(c);
+            for (int i = 0; i < DV; ++i) acc[rg * DV + i] = _mm512_mul_ps(acc[rg * DV + i], vc_);
           }
-          const __m512 sv = transpose_sum16(dots);
-          const float bm = _mm512_mask_reduce_max_ps(valid, sv);
-          const float mb = bm > m[g] ? bm : m[g];
-          const __m512 e = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(sv, _mm512_set1_ps(mb))));
-          const float c = m[g] == -INFINITY ? 0.f : fast_exp(m[g] - mb);
-          l[g] = l[g] * c + _mm512_reduce_add_ps(e);
-          m[g] = mb;
-          _mm512_storeu_ps(p + 16 * g, e);
-          const __m512 vc_ = _mm512_set1_ps(c);
-          for (int i = 0; i < DV; ++i) acc[g * DV + i] = _mm512_mul_ps(acc[g * DV + i], vc_);
         }
         // acc += p . v, head by head with its accumulators in registers (a count of heads known
         // only at run time kept them in memory, a load and a store at every FMA), over the
-        // block's V rows widened once for every head; each lane's sum runs over t in order
+        // block's V rows widened once for every head and row; each lane's sum runs over t in order
         for (int64_t t = 0; t < n; ++t)
           for (int i = 0; i < DV; ++i) _mm512_store_ps(kf + t * D + 16 * i, load16(vc + base + t * D + 16 * i));
-        for (int64_t g = 0; g < G; ++g) {
-          __m512 a[DV];
-          for (int i = 0; i < DV; ++i) a[i] = acc[g * DV + i];
-          for (int64_t t = 0; t < n; ++t) {
-            const __m512 pt = _mm512_set1_ps(p[16 * g + t]);
-            for (int i = 0; i < DV; ++i) a[i] = _mm512_fmadd_ps(pt, _mm512_load_ps(kf + t * D + 16 * i), a[i]);
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t nr = std::min<int64_t>(BS, lens[b0 + r] - j * BS);
+          for (int64_t g = 0; g < G && nr > 0; ++g) {
+            const int64_t rg = r * G + g;
+            __m512 a[DV];
+            for (int i = 0; i < DV; ++i) a[i] = acc[rg * DV + i];
+            for (int64_t t = 0; t < nr; ++t) {
+              const __m512 pt = _mm512_set1_ps(p[16 * rg + t]);
+              for (int i = 0; i < DV; ++i) a[i] = _mm512_fmadd_ps(pt, _mm512_load_ps(kf + t * D + 16 * i), a[i]);
+            }
+            for (int i = 0; i < DV; ++i) acc[rg * DV + i] = a[i];
           }
-          for (int i = 0; i < DV; ++i) acc[g * DV + i] = a[i];
         }
       }
-      for (int64_t g = 0; g < G; ++g) {
-        const float inv = 1.f / l[g];
-        alignas(64) float tmp[16];
-        for (int i = 0; i < DV; ++i) {
-          _mm512_store_ps(tmp, _mm512_mul_ps(acc[g * DV + i], _mm512_set1_ps(inv)));
-          for (int e = 0; e < 16; ++e) out[(b * H + h * G + g) * D + 16 * i + e] = from_f<T>(tmp[e]);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t rg = r * G + g;
+          const float inv = 1.f / l[rg];
+          alignas(64) float tmp[16];
+          for (int i = 0; i < DV; ++i) {
+            _mm512_store_ps(tmp, _mm512_mul_ps(acc[rg * DV + i], _mm512_set1_ps(inv)));
+            for (int e = 0; e < 16; ++e) out[((b0 + r) * H + h * G + g) * D + 16 * i + e] = from_f<T>(tmp[e]);
+          }
         }
-      }
     }
   });
 }
