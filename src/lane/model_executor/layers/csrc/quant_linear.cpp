@@ -93,11 +93,11 @@ inline int32_t quantize_block32(const T* x, int8_t* q, float& d_out) {
 #endif
 
 void lane::quantize_rows_q8(const void* x, int x_dtype, int8_t* q, float* d, float* s, int32_t* isum, int64_t M,
-                            int64_t K) {
+                            int64_t K, int threads) {
   const int64_t nb = K / kBlock;
-  LANE_DISPATCH(x_dtype, T, {
+  LANE_DISPATCH(x_dtype, T, parallel_for(M, 16, threads, [&](int64_t m0, int64_t m1) {
     const T* xp = static_cast<const T*>(x);
-    for (int64_t m = 0; m < M; ++m)
+    for (int64_t m = m0; m < m1; ++m)
       for (int64_t b = 0; b < nb; ++b) {
         int8_t* qb = q + m * K + b * kBlock;
 #if defined(__AVX2__)
@@ -112,7 +112,7 @@ void lane::quantize_rows_q8(const void* x, int x_dtype, int8_t* q, float* d, flo
         s[m * nb + b] = scale * static_cast<float>(sum);
         if (isum) isum[m * nb + b] = sum;
       }
-  });
+  }));
 }
 
 // x rows as 8-bit blocks: q [M, K] int8, d [M, K/32], s [M, K/32] (d * sum q)

@@ -674,12 +674,12 @@ extern "C" void lane_quant_x8_linear(const void* x, int x_dtype, const uint8_t* 
   float* dx = scratch<float, 4>(2 * M * nb);
   float* sx = dx + M * nb;
   int32_t* isum = scratch<int32_t, 0>(M * nb);
-  quantize_rows_q8(x, x_dtype, qx, dx, sx, isum, M, K);
+  quantize_rows_q8(x, x_dtype, qx, dx, sx, isum, M, K, threads);
 #if defined(__AVX512F__)
   // AMX tiles from amx_min_rows rows (bit for bit the pair kernel's rows, so the switch keeps
   // batch invariance): threads take units of 16 columns
   const bool amx = M >= amx_min_rows && qtype != kQ6_K && amx_usable();
-  const AmxActs acts = amx ? amx_acts(qx, dx, sx, isum, M, K) : AmxActs{};
+  const AmxActs acts = amx ? amx_acts(qx, dx, sx, isum, M, K, threads) : AmxActs{};
 #else
   constexpr bool amx = false;
 #endif
