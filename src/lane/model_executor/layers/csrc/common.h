@@ -298,8 +298,7 @@ inline void x8_block(uint8_t* gb, int qtype, int r, uint8_t* blk, bool to_packed
 // [M, K/32] (max|x| / 127), s = d * sum(q) and (isum non-null) the sums themselves; rows split
 // over `threads`
 void quantize_rows_q8(const void* x, int x_dtype, int8_t* q, float* d, float* s, int32_t* isum, int64_t M,
-                      int64_t K,
-                      int threads = 1);
+                      int64_t K, int threads = 1);
 
 // Whether the kernels with a VNNI variant (K-quants, the x8 32-blocks) take it: an AVX-512 build
 // on a CPU that has it, unless LANE_CPU_VNNI=0 (so one VNNI machine tests the plain paths too).

@@ -670,7 +670,7 @@ extern "C" void lane_x8_amx(int on, int64_t min_rows, int64_t* out) {
 extern "C" void lane_quant_x8_linear(const void* x, int x_dtype, const uint8_t* w, int qtype, const float* bias,
                                      void* y, int y_dtype, int64_t M, int64_t N, int64_t K, int threads) {
   const int64_t nb = K / kBlock;
-  int8_t* qx = scratch<int8_t, 2>((M + 16) * K);  // (+ 16: the AMX tiles read whole 16-row tiles)
+  int8_t* qx = scratch<int8_t, 2>(M * K);
   float* dx = scratch<float, 4>(2 * M * nb);
   float* sx = dx + M * nb;
   int32_t* isum = scratch<int32_t, 0>(M * nb);
