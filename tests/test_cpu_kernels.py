@@ -71,6 +71,28 @@ def test_small_m_linear(dtype, tol, m, bias, n, k):
     torch.testing.assert_close(out.float(), ref, atol=tol * 10, rtol=tol)
 
 
+def test_bf16_amx_tiles_match_torch_and_keep_rows_apart():
+    """Dense bf16 layers on AMX-BF16 tiles (every M, where the CPU has them): each output within
+    bf16 rounding of the fp32 reference, and each row bit for bit the same alone, in any batch, at
+    any position in it; a shape the tiles do not take (K % 32) runs the FMA kernel."""
+    if not cpu_kernels.bf16_amx():
+        pytest.skip("no AMX-BF16 here (or LANE_CPU_AMX=0): bf16 layers run the FMA kernel")
+    g = torch.Generator().manual_seed(3)
+    for N, K in ((48, 64), (96, 576), (64, 1536), (80, 100)):  # a lone weight tile, pairs, K tail
+        w = torch.randn(N, K, generator=g).to(torch.bfloat16)
+        b = torch.randn(N, generator=g).to(torch.bfloat16)
+        x = torch.randn(130, K, generator=g).to(torch.bfloat16)
+        for bias in (None, b):
+            y = cpu_kernels.small_m_linear(x, w, bias)
+            ref = F.linear(x.float(), w.float(), None if bias is None else bias.float())
+            torch.testing.assert_close(y.float(), ref, atol=0.05, rtol=1e-2)
+            perm = torch.randperm(130, generator=g)
+            assert torch.equal(cpu_kernels.small_m_linear(x[perm], w, bias), y[perm]), (N, K)
+            for M in (1, 15, 16, 17, 33):
+                assert torch.equal(cpu_kernels.small_m_linear(x[:M], w, bias), y[:M]), (N, K, M)
+                assert torch.equal(cpu_kernels.small_m_linear(x[M:M + 1], w, bias), y[M:M + 1]), (N, K, M)
+
+
 def test_engine_output_same_without_kernels(tmp_path, smollm_tokenizer):
     """The torch fallback paths (LANE_CPU_KERNELS=0) give the same greedy tokens."""
     from conftest import make_tiny_checkpoint

@@ -41,12 +41,12 @@ logger = logging.getLogger(__name__)
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 # the longest to compile first, so the parallel build ends with the short ones (quant_x8.cpp takes
 # a third of the total alone)
-_SOURCES = ("quant_x8.cpp", "paged_attention.cpp", "int8_linear.cpp", "kquant.cpp", "prefill_attention.cpp",
+_SOURCES = ("quant_x8.cpp", "paged_attention.cpp", "bf16_amx.cpp", "int8_linear.cpp", "kquant.cpp", "prefill_attention.cpp",
             "gemv.cpp", "elementwise.cpp", "shm_comm.cpp", "quant_linear.cpp", "module.cpp", "dequant.cpp", "decode_layers.cpp",
             "threads.cpp")
 # round as the numpy reference does
 _SOURCE_CFLAGS = {"dequant.cpp": ["-ffp-contract=off"], "kquant.cpp": ["-ffp-contract=off"]}
-_HEADERS = ("common.h", "kquant_avx512.inc", "quant_x8_amx.inc")
+_HEADERS = ("common.h", "amx.h", "kquant_avx512.inc", "quant_x8_amx.inc")
 # no -ffast-math: its finite-math-only would fold the kernels' -inf checks away
 _CFLAGS = ["-O3", "-std=c++17", "-fPIC", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
            "-fassociative-math", "-fno-signed-zeros", "-freciprocal-math", "-ffp-contract=fast"]
@@ -473,6 +473,18 @@ def x8_amx(enable: bool | None = None, min_rows: int | None = None) -> tuple[boo
     out = torch.zeros(2, dtype=torch.int64)
     _lib.lane_x8_amx(-1 if enable is None else int(enable), min_rows or 0, out.data_ptr())
     return bool(out[0]), int(out[1])
+
+
+def bf16_amx(enable: bool | None = None) -> bool:
+    """Whether dense bf16 layers (small_m_linear with bf16 rows and weight) run on AMX-BF16
+    tiles here, for every M (the CPU has AMX-BF16 and the tile state; LANE_CPU_AMX=0 turns it
+    off). With ``enable``, set it first: benchmarks only, as the tiles' sums differ from the
+    FMA kernel's and a switch mid-run breaks batch invariance."""
+    if _lib is None:
+        return False
+    out = torch.zeros(1, dtype=torch.int64)
+    _lib.lane_bf16_amx(-1 if enable is None else int(enable), out.data_ptr())
+    return bool(out[0])
 
 
 def x8_fits(kind: str, N: int) -> bool:

@@ -316,6 +316,13 @@ inline bool use_vnni() {
 #endif
 }
 
+// p rounded up to a 64-byte boundary (tile rows across two cache lines load or store at half
+// speed); the buffer must have 63 bytes to spare
+template <typename T>
+inline T* align64(T* p) {
+  return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t{63});
+}
+
 // A per-thread buffer that grows as needed and is reused call to call (no allocation per call).
 // Each caller names its own (T, Tag): a kernel that calls another (decode_layers.cpp) must not
 // share a buffer the callee overwrites.

@@ -182,10 +182,14 @@ void narrow(const float* src, void* dst, int64_t n) {
 
 }  // namespace
 
-// x [M, K] (x_dtype), w [N, K] (w_dtype), bias [N] (w_dtype) or null -> y [M, N] (x_dtype)
+extern "C" bool lane_bf16_amx_linear(const void*, const void*, const void*, void*, int64_t, int64_t, int64_t, int);
+
+// x [M, K] (x_dtype), w [N, K] (w_dtype), bias [N] (w_dtype) or null -> y [M, N] (x_dtype). All
+// bf16 on a CPU with AMX-BF16: its tiles, for every M (bf16_amx.cpp).
 extern "C" void lane_small_m_linear(const void* x, int x_dtype, const void* w, int w_dtype,
                                     const void* bias, void* y, int64_t M, int64_t N, int64_t K,
                                     int threads) {
+  if (x_dtype == kBF16 && w_dtype == kBF16 && lane_bf16_amx_linear(x, w, bias, y, M, N, K, threads)) return;
   float* xf = scratch<float, 20>(M * K);
   float* yf = scratch<float, 21>(M * N);
   LANE_DISPATCH(x_dtype, T, widen<T>(x, xf, M * K));

@@ -21,11 +21,9 @@
 #include <atomic>
 
 #if defined(__AVX2__)
-#include <cpuid.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #endif
+#include "amx.h"
 
 namespace {
 
