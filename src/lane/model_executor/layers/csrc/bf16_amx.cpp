@@ -37,21 +37,21 @@ constexpr int kStep = 32;   // values of K a multiply takes (16 pairs)
 constexpr int kTileU32 = kRows * kRows;  // a B tile: 16 pairs x 16 input rows, 32 bits each
 
 // x [M, K] -> B tiles: tile t, step s, pair p, input row c at xb[(t * steps + s) * 256 + p * 16 +
-// c] (x[m][2q], x[m][2q + 1] as one 32-bit word, q = 16 s + p); rows past M are zeros
+// c] (x[m][2q], x[m][2q + 1] as one 32-bit word, q = 16 s + p): each step's 16 rows of 16 words,
+// transposed in registers; rows past M are zeros
 void pack_rows(const bf16* x, uint32_t* xb, int64_t M, int64_t K, int threads) {
   const int64_t steps = K / kStep, tiles = (M + kRows - 1) / kRows;
-  parallel_for(tiles, 1, threads, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t)
+  parallel_for(tiles * steps, 4, threads, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t t = i / steps, s = i % steps;
+      __m512 v[16];
       for (int c = 0; c < kRows; ++c) {
         const int64_t m = t * kRows + c;
-        uint32_t* dst = xb + t * steps * kTileU32 + c;
-        if (m >= M) {
-          for (int64_t q = 0; q < K / 2; ++q) dst[q / 16 * kTileU32 + q % 16 * kRows] = 0;
-          continue;
-        }
-        const uint32_t* row = reinterpret_cast<const uint32_t*>(x + m * K);
-        for (int64_t q = 0; q < K / 2; ++q) dst[q / 16 * kTileU32 + q % 16 * kRows] = row[q];
+        v[c] = m < M ? _mm512_castsi512_ps(_mm512_loadu_si512(x + m * K + s * kStep)) : _mm512_setzero_ps();
       }
+      transpose16(v);
+      for (int p = 0; p < kRows; ++p) _mm512_store_si512(xb + i * kTileU32 + p * kRows, _mm512_castps_si512(v[p]));
+    }
   });
 }
 
