@@ -122,7 +122,8 @@ def test_x8_maddubs_path_on_a_vnni_cpu():
 
 def test_x8_amx_tiles_equal_the_pair_kernel():
     """Where the CPU has AMX-INT8, the x8 kernels run many rows on int8 tiles: every kind's output,
-    fp32 and bf16, with a bias, an odd group count (8 columns of a 16-column unit) and rows not a
+    fp32 and bf16, with a bias, an odd group count (8 columns of a 16-column unit), an odd block
+    count and rows not a
     multiple of the 16-row tile, equals the VNNI pair kernel's bit for bit (the kernel built by
     this machine's GCC: GCC 12 drops a stack tile config that _tile_loadconfig is given)."""
     assert cpu_kernels.build()
@@ -135,7 +136,8 @@ def test_x8_amx_tiles_equal_the_pair_kernel():
     try:
         cpu_kernels.x8_amx(min_rows=1)
         for kind in set(cpu_kernels.x8_kinds()) - {"Q6_K"}:  # (Q6_K stays on the pair kernel)
-            for N, K in ((40, 512), (16, 768)):
+            # (an odd count of 32-value blocks too: the activation tiles go two blocks at a time)
+            for N, K in ((40, 512), (16, 768)) + (() if kind in cpu_kernels.K_KINDS else ((24, 96),)):
                 blocks = torch.from_numpy(kquant_blocks(kind, N, K, rng)) if kind in cpu_kernels.K_KINDS else \
                     random_blocks(kind, N, K, g)
                 packed = cpu_kernels.repack_x8(blocks, kind, N)
