@@ -1,13 +1,17 @@
-"""The x8 kernels' AMX-INT8 tiles against the VNNI pair kernel, on the same rows in one run:
-time of one quantized linear layer on SmolLM2's shapes (576 -> 1536 and 1536 -> 576; 768 for the
-K-quants) by row
-count, per kind, one thread (the tiles give the pair kernel's outputs bit for bit, so the
-switch is a matter of speed only; the kernels take AMX from `lane_x8_amx`'s threshold).
+"""lane's AMX tiles, on the same rows in one run, one thread, one linear layer on SmolLM2's shapes
+(576 -> 1536 and 1536 -> 576; 768 for the K-quants) by row count:
+- x8 (AMX-INT8): the int8 tiles against the VNNI pair kernel, per kind (the tiles give the pair
+  kernel's outputs bit for bit, so the switch is a matter of speed only; the kernels take AMX
+  from `lane_x8_amx`'s threshold);
+- bf16 (AMX-BF16): the dense bf16 tiles (every M under `--quantization none` in bf16) against
+  lane's FMA kernel (what the tiles replace) and torch's F.linear (oneDNN's bf16 AMX GEMM, the
+  peer: vLLM's CPU build runs it, shape-dependent and so not batch-invariant).
 
-    python benchmarks/amx_tiles.py [--kinds Q4_0,Q4_1,Q8_0,Q4_K,Q5_K] [--rows 8,16,32,64,128,512]
+    python benchmarks/amx_tiles.py [--sections x8,bf16] [--kinds Q4_0,Q4_1,Q8_0,Q4_K,Q5_K]
+                                   [--rows 1,8,16,32,64,128,512]
 
-Needs a CPU with AMX-INT8 (Sapphire Rapids or later). The last line is a JSON object:
-pair kernel time / tile time per kind, shape and row count (> 1: the tiles are faster).
+Needs a CPU with AMX (Sapphire Rapids or later). The last line is a JSON object: per section,
+shape and row count, the other kernel's time / the tiles' (> 1: the tiles are faster).
 """
 from __future__ import annotations
 
@@ -34,6 +38,30 @@ def best_us(fn, reps: int = 20, rounds: int = 3) -> float:
     return best * 1e6
 
 
+def bf16_section(rows: str, g: torch.Generator, out: dict) -> None:
+    import torch.nn.functional as F
+
+    from lane.model_executor.layers import cpu_kernels
+    try:
+        for N, K in ((1536, 576), (576, 1536)):
+            w = torch.randn(N, K, generator=g).to(torch.bfloat16)
+            cells = []
+            for M in map(int, rows.split(",")):
+                x = torch.randn(M, K, generator=g).to(torch.bfloat16)
+                run = lambda: cpu_kernels.small_m_linear(x, w, None)  # noqa: E731
+                cpu_kernels.bf16_amx(True)
+                tiles = best_us(run)
+                cpu_kernels.bf16_amx(False)
+                fma = best_us(run)
+                onednn = best_us(lambda: F.linear(x, w))
+                out[f"bf16 {K}->{N} M={M} fma/tiles"] = round(fma / tiles, 2)
+                out[f"bf16 {K}->{N} M={M} onednn/tiles"] = round(onednn / tiles, 2)
+                cells.append(f"M={M} {tiles:5.0f} us (FMA {fma / tiles:5.2f}x, oneDNN {onednn / tiles:4.2f}x)")
+            print(f"bf16  {K:4d}->{N:4d}  tiles: " + "  ".join(cells), flush=True)
+    finally:
+        cpu_kernels.bf16_amx(True)
+
+
 def main() -> None:
     from test_kquant import random_blocks as kquant_blocks
     from test_quant_linear import random_blocks
@@ -41,16 +69,23 @@ def main() -> None:
     from lane.model_executor.layers import cpu_kernels
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sections", default="x8,bf16")
     ap.add_argument("--kinds", default="Q4_0,Q4_1,Q8_0,Q4_K,Q5_K")  # (Q6_K stays on the pair kernel)
-    ap.add_argument("--rows", default="8,16,32,64,128,512")
+    ap.add_argument("--rows", default="1,8,16,32,64,128,512")
     args = ap.parse_args()
     assert cpu_kernels.build(), "the CPU kernels did not build"
+    sections = args.sections.split(",")
     usable, threshold = cpu_kernels.x8_amx()
-    if not usable:
-        sys.exit("no AMX-INT8 here (or LANE_CPU_AMX=0): nothing to compare")
+    if not usable and not cpu_kernels.bf16_amx():
+        sys.exit("no AMX here (or LANE_CPU_AMX=0): nothing to compare")
     torch.set_num_threads(1)
     g, rng = torch.Generator().manual_seed(0), np.random.default_rng(0)
     out: dict = {"amx_min_rows": threshold}
+    if "bf16" in sections and cpu_kernels.bf16_amx():
+        bf16_section(args.rows, g, out)
+    if "x8" not in sections or not usable:
+        print(json.dumps(out))
+        return
     try:
         for kind in args.kinds.split(","):
             # SmolLM2's widths; 768 for the K-quants, whose rows are whole super-blocks of 256
