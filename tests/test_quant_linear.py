@@ -123,9 +123,9 @@ def test_x8_maddubs_path_on_a_vnni_cpu():
 def test_x8_amx_tiles_equal_the_pair_kernel():
     """Where the CPU has AMX-INT8, the x8 kernels run many rows on int8 tiles: every kind's output,
     fp32 and bf16, with a bias, an odd group count (8 columns of a 16-column unit), an odd block
-    count and rows not a
-    multiple of the 16-row tile, equals the VNNI pair kernel's bit for bit (the kernel built by
-    this machine's GCC: GCC 12 drops a stack tile config that _tile_loadconfig is given)."""
+    count and rows not a multiple of the 16-row tile, equals the VNNI pair kernel's bit for bit
+    (the kernel built by this machine's GCC: GCC 12 drops a stack tile config that
+    _tile_loadconfig is given)."""
     assert cpu_kernels.build()
     if not cpu_kernels.x8_amx()[0]:
         pytest.skip("no AMX-INT8 here (or LANE_CPU_AMX=0): the pair kernel runs every row count")

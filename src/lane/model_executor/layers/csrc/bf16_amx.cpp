@@ -12,9 +12,6 @@
 #include <atomic>
 
 #include "amx.h"
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 namespace {
 
@@ -25,10 +22,8 @@ using namespace lane;
 std::atomic<int> bf16_amx_enabled{1};
 
 inline bool bf16_amx_usable() {
-  static const bool usable = [] {
-    __builtin_cpu_init();  // AMX-BF16 CPUs have AVX512-BF16 (the output's rounding) too
-    return __builtin_cpu_supports("avx512bf16") && cpu_has_amx(22);
-  }();
+  // (AMX-BF16 CPUs have AVX512-BF16, the output's rounding, too)
+  static const bool usable = use_avx512bf16() && cpu_has_amx(22);
   return usable && bf16_amx_enabled.load(std::memory_order_relaxed);
 }
 
@@ -62,10 +57,7 @@ inline void store_transposed(const float* c, const __m512 bias, bf16* y, int64_t
   for (int n = 0; n < 16; ++n) v[n] = _mm512_load_ps(c + 16 * n);
   transpose16(v);
   for (int m = 0; m < rows; ++m) {
-    __m256i r;
-    const __m512 s = _mm512_add_ps(v[m], bias);
-    asm("vcvtneps2bf16 %1, %0" : "=v"(r) : "v"(s));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * ld), r);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * ld), round_bf16(_mm512_add_ps(v[m], bias)));
   }
 }
 

@@ -8,6 +8,9 @@
 #include <cstring>
 #include <type_traits>
 #include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace lane {
 
@@ -315,6 +318,35 @@ inline bool use_vnni() {
   return false;
 #endif
 }
+
+// Whether the CPU has AVX512-BF16's float -> bf16 conversion (vcvtneps2bf16: nearest even, a NaN
+// quieted as from_f quiets it; only inputs below 2^-126, which it flushes to zero, round
+// otherwise). The build targets plain AVX-512, so round_bf16 below issues it through asm.
+inline bool use_avx512bf16() {
+#if defined(__AVX512F__)
+  static const bool v = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16") != 0;
+  }();
+  return v;
+#else
+  return false;
+#endif
+}
+
+#if defined(__AVX512F__)
+// v rounded to bf16 by vcvtneps2bf16 (only where use_avx512bf16())
+inline __m128i round_bf16(__m256 v) {
+  __m128i r;
+  asm("vcvtneps2bf16 %1, %0" : "=v"(r) : "v"(v));
+  return r;
+}
+inline __m256i round_bf16(__m512 v) {
+  __m256i r;
+  asm("vcvtneps2bf16 %1, %0" : "=v"(r) : "v"(v));
+  return r;
+}
+#endif
 
 // p rounded up to a 64-byte boundary (tile rows across two cache lines load or store at half
 // speed); the buffer must have 63 bytes to spare

@@ -67,28 +67,14 @@ inline void store8(float* y, __m256 v) { _mm256_storeu_ps(y, v); }
 inline void store8(f16* y, __m256 v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(y), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
-// AVX512-BF16's conversion where the CPU has it: one instruction for the ten below (nearest
-// even, a NaN quieted the same way; only inputs below 2^-126, which it flushes to zero, round
-// otherwise). The pair kernel and the tiles both store through it, so a row's output stays the
-// same whichever computed it. On Sapphire Rapids: decode steps of 1 and 32 rows 5-8 % faster, a
-// 256-token prefill 5 %. (asm: the build targets plain AVX-512.)
-inline bool use_bf16_cvt() {
-#if defined(__AVX512F__)
-  static const bool v = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512bf16") != 0;
-  }();
-  return v;
-#else
-  return false;
-#endif
-}
+// AVX512-BF16's conversion where the CPU has it (common.h): one instruction for the ten below.
+// The pair kernel and the tiles both store through it, so a row's output stays the same
+// whichever computed it. On Sapphire Rapids: decode steps of 1 and 32 rows 5-8 % faster, a
+// 256-token prefill 5 %.
 inline void store8(bf16* y, __m256 v) {  // nearest even; a NaN keeps its top bits, made quiet
 #if defined(__AVX512F__)
-  if (use_bf16_cvt()) {
-    __m128i r;
-    asm("vcvtneps2bf16 %1, %0" : "=v"(r) : "v"(v));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(y), r);
+  if (use_avx512bf16()) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(y), round_bf16(v));
     return;
   }
 #endif
