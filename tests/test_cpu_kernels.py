@@ -93,6 +93,40 @@ def test_bf16_amx_tiles_match_torch_and_keep_rows_apart():
                 assert torch.equal(cpu_kernels.small_m_linear(x[M:M + 1], w, bias), y[M:M + 1]), (N, K, M)
 
 
+def test_bf16_amx_attention_rows_equal_decode_rows():
+    """Paged attention over a bf16 cache on AMX-BF16 tiles (where the CPU has them): a prefill
+    chunk's rows (positions 37..81, crossing blocks and 32-key steps) within bf16 rounding of a
+    float64 softmax, and each bit for bit the row a decode step gives at that position, alone or
+    among other requests, from other physical blocks holding the same K/V."""
+    if not cpu_kernels.attention_amx():
+        pytest.skip("no AMX-BF16 here (or LANE_CPU_AMX=0): bf16 attention runs the AVX-512 kernel")
+    g = torch.Generator().manual_seed(4)
+    for H, KVH, D in ((9, 3, 64), (16, 1, 128), (32, 2, 64)):  # 5 positions a tile, 1, 1 (16 heads)
+        nb, done, n = 48, 37, 45
+        kc = torch.randn(nb, KVH, 16, D, generator=g).to(torch.bfloat16)
+        vc = torch.randn(nb, KVH, 16, D, generator=g).to(torch.bfloat16)
+        ids = torch.randperm(nb // 2, generator=g)[:6]
+        q = torch.randn(n, H, D, generator=g).to(torch.bfloat16)
+        rows = cpu_kernels.prefill_rows_attention(q, kc, vc, ids, done, 0.125)
+        k = kc[ids].permute(1, 0, 2, 3).reshape(KVH, -1, D).double()
+        v = vc[ids].permute(1, 0, 2, 3).reshape(KVH, -1, D).double()
+        for i in range(n):
+            L = done + i + 1
+            s = torch.einsum("hgd,hld->hgl", q[i].double().view(KVH, -1, D), k[:, :L]) * 0.125
+            ref = torch.einsum("hgl,hld->hgd", torch.softmax(s, -1), v[:, :L]).reshape(H, D)
+            torch.testing.assert_close(rows[i].double(), ref, atol=2e-2, rtol=2e-2)
+        moved = ids + nb // 2  # the same K/V in other blocks
+        kc[moved], vc[moved] = kc[ids], vc[ids]
+        for i in (0, 10, 11, 26, 44):  # decode rows at positions 37, 47, 48, 63, 81
+            alone = cpu_kernels.decode_attention(q[i:i + 1], kc, vc, moved[None], torch.tensor([done + i + 1],
+                                                                                           dtype=torch.int32), 0.125)
+            assert torch.equal(alone, rows[i:i + 1]), (H, KVH, D, i)
+        tables = torch.stack([moved, ids, moved])
+        lens = torch.tensor([done + 12, done + 45, 3], dtype=torch.int32)
+        batch = cpu_kernels.decode_attention(q[[11, 44, 0]], kc, vc, tables, lens, 0.125)
+        assert torch.equal(batch[:2], rows[[11, 44]]), (H, KVH, D)
+
+
 def test_engine_output_same_without_kernels(tmp_path, smollm_tokenizer):
     """The torch fallback paths (LANE_CPU_KERNELS=0) give the same greedy tokens."""
     from conftest import make_tiny_checkpoint

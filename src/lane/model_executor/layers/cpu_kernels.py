@@ -41,11 +41,13 @@ logger = logging.getLogger(__name__)
 _CSRC = os.path.join(os.path.dirname(__file__), "csrc")
 # the longest to compile first, so the parallel build ends with the short ones (quant_x8.cpp takes
 # a third of the total alone)
-_SOURCES = ("quant_x8.cpp", "paged_attention.cpp", "bf16_amx.cpp", "int8_linear.cpp", "kquant.cpp", "prefill_attention.cpp",
+_SOURCES = ("quant_x8.cpp", "paged_attention.cpp", "bf16_amx.cpp", "paged_attention_amx.cpp", "int8_linear.cpp", "kquant.cpp", "prefill_attention.cpp",
             "gemv.cpp", "elementwise.cpp", "shm_comm.cpp", "quant_linear.cpp", "module.cpp", "dequant.cpp", "decode_layers.cpp",
             "threads.cpp")
 # round as the numpy reference does
-_SOURCE_CFLAGS = {"dequant.cpp": ["-ffp-contract=off"], "kquant.cpp": ["-ffp-contract=off"]}
+_SOURCE_CFLAGS = {"dequant.cpp": ["-ffp-contract=off"], "kquant.cpp": ["-ffp-contract=off"],
+                  # one order of each row's sums, whichever caller inlined them (batch invariance)
+                  "paged_attention_amx.cpp": ["-fno-associative-math", "-fno-reciprocal-math", "-ffp-contract=off"]}
 _HEADERS = ("common.h", "amx.h", "kquant_avx512.inc", "quant_x8_amx.inc")
 # no -ffast-math: its finite-math-only would fold the kernels' -inf checks away
 _CFLAGS = ["-O3", "-std=c++17", "-fPIC", "-fopenmp", "-fno-math-errno", "-fno-trapping-math",
@@ -484,6 +486,18 @@ def bf16_amx(enable: bool | None = None) -> bool:
         return False
     out = torch.zeros(1, dtype=torch.int64)
     _lib.lane_bf16_amx(-1 if enable is None else int(enable), out.data_ptr())
+    return bool(out[0])
+
+
+def attention_amx(enable: bool | None = None) -> bool:
+    """Whether paged attention over a bf16 cache (decode rows and the batch-invariant prefill's
+    rows alike) runs on AMX-BF16 tiles here: the CPU has AMX-BF16 and the model's shape takes
+    them (head_dim 64 or 128, 16-token blocks, at most 16 query heads per KV head). With
+    ``enable``, set it first: benchmarks only, as a switch mid-run breaks batch invariance."""
+    if _lib is None:
+        return False
+    out = torch.zeros(1, dtype=torch.int64)
+    _lib.lane_attention_amx(-1 if enable is None else int(enable), out.data_ptr())
     return bool(out[0])
 
 

@@ -13,6 +13,9 @@
 #include <type_traits>
 #include <vector>
 
+extern "C" bool lane_paged_attention_amx(const void*, const void*, const void*, const int64_t*, const int32_t*, void*,
+                                         int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, int);
+
 namespace {
 
 using namespace lane;
@@ -196,23 +199,6 @@ inline __m512 bf16x16(const uint16_t* p) {
       _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
 
-// fast_exp on 16 lanes
-inline __m512 exp512(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.3981999507e-3f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-}
-
 inline __m512 load16(const uint16_t* p) { return bf16x16(p); }
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 
@@ -394,6 +380,11 @@ template <typename T>
 void paged_decode(const T* qp, const T* kc, const T* vc, const int64_t* tp, const int32_t* lp, T* op,
                   int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t BS, int64_t MB, float sc,
                   int threads) {
+  // bf16 on AMX-BF16 tiles (paged_attention_amx.cpp) where the model's shape takes them, asked
+  // before any split of the heads, so that the choice never depends on the batch
+  if constexpr (std::is_same<T, bf16>::value) {
+    if (lane_paged_attention_amx(qp, kc, vc, tp, lp, op, B, H, KVH, D, BS, MB, sc, threads)) return;
+  }
   // nb requests starting at q_ / tables_ / lens_ / out_, nh query heads each
   auto launch = [&](const T* q_, const int64_t* tables_, const int32_t* lens_, T* out_, int64_t nb,
                     int64_t nh) {
