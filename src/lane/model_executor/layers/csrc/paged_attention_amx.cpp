@@ -93,7 +93,7 @@ struct Lanes {
   int64_t len[kLanes];
   const uint16_t* q[kLanes];
   uint16_t* out[kLanes];
-  float m[kLanes], l[kLanes];
+  alignas(64) float m[kLanes], l[kLanes];
   alignas(64) float acc[kLanes * D];
   alignas(64) uint16_t qa[D / 32 * kLanes * 32];
 
@@ -101,8 +101,9 @@ struct Lanes {
     std::fill(qa, qa + D / 32 * kLanes * 32, uint16_t{0});
     for (int64_t r = 0; r < n; ++r) {
       for (int64_t c = 0; c < D / 32; ++c) std::memcpy(qa + (c * kLanes + r) * 32, q[r] + 32 * c, 64);
-      m[r] = -INFINITY, l[r] = 0.f;
     }
+    std::fill(m, m + kLanes, -INFINITY);
+    std::fill(l, l + kLanes, 0.f);
     std::fill(acc, acc + kLanes * D, 0.f);
   }
   int64_t steps() const { return (*std::max_element(len, len + n) + kKeys - 1) / kKeys; }
@@ -124,7 +125,6 @@ __attribute__((noinline)) void attend_step(Lanes<D>& ln, const uint32_t* tiles, 
   alignas(64) float s[kLanes * kKeys];
   alignas(64) float o[kLanes * D];
   alignas(64) uint16_t pa[kLanes * kKeys];
-  float corr[kLanes];
   LANE_TILE_ZERO(0);
   LANE_TILE_ZERO(1);
   for (int64_t c = 0; c < D / 32; ++c) {
@@ -137,26 +137,41 @@ __attribute__((noinline)) void attend_step(Lanes<D>& ln, const uint32_t* tiles, 
   LANE_TILE_STORE(0, s, kKeys * 4);
   LANE_TILE_STORE(1, s + 16, kKeys * 4);
   const __m512 vs = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
-  for (int64_t r = 0; r < kLanes; ++r) {
-    const int64_t k = r < ln.n ? ln.len[r] - kKeys * j : 0;  // keys of this step the lane sees
-    if (k <= 0) {  // none: the lane's state stays as it was, its P row is zeros
-      std::memset(pa + r * kKeys, 0, kKeys * 2);
-      continue;
-    }
-    const __mmask16 m0 = first(k), m1 = first(k - 16);
-    const __m512 x0 = _mm512_mul_ps(_mm512_load_ps(s + r * kKeys), vs);
-    const __m512 x1 = _mm512_mul_ps(_mm512_load_ps(s + r * kKeys + 16), vs);
-    const float bm = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_mask_mov_ps(ninf, m0, x0), _mm512_mask_mov_ps(ninf, m1, x1)));
-    const float mb = bm > ln.m[r] ? bm : ln.m[r];
-    const __m512 vmb = _mm512_set1_ps(mb);
-    const __m512 p0 = _mm512_maskz_mov_ps(m0, exp512(_mm512_sub_ps(x0, vmb)));
-    const __m512 p1 = _mm512_maskz_mov_ps(m1, exp512(_mm512_sub_ps(x1, vmb)));
-    corr[r] = ln.m[r] == -INFINITY ? 0.f : fast_exp(ln.m[r] - mb);
-    ln.l[r] = ln.l[r] * corr[r] + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
-    ln.m[r] = mb;
+  // scores scaled, keys a lane must not see at -inf (a lane with none of this step's keys is
+  // inactive: its state stays as it was, its P row zeros); every lane's max in one tree
+  __mmask16 active = 0, m0[kLanes], m1[kLanes];
+  __m512 x[2 * kLanes], t[kLanes];
+  for (int64_t r = ln.n; r < kLanes; ++r) t[r] = ninf, m0[r] = m1[r] = 0;  // no row: no key
+  for (int64_t r = 0; r < ln.n; ++r) {
+    const int64_t k = ln.len[r] - kKeys * j;  // keys of this step the lane sees
+    if (k > 0) active |= static_cast<__mmask16>(1u << r);
+    m0[r] = first(k), m1[r] = first(k - 16);
+    x[2 * r] = _mm512_mask_mov_ps(ninf, m0[r], _mm512_mul_ps(_mm512_load_ps(s + r * kKeys), vs));
+    x[2 * r + 1] = _mm512_mask_mov_ps(ninf, m1[r], _mm512_mul_ps(_mm512_load_ps(s + r * kKeys + 16), vs));
+    t[r] = _mm512_max_ps(x[2 * r], x[2 * r + 1]);
+  }
+  const __m512 m_old = _mm512_load_ps(ln.m), m_new = _mm512_max_ps(m_old, transpose_max16(t));
+  alignas(64) float mb[kLanes];
+  _mm512_store_ps(mb, m_new);
+  std::memset(pa + ln.n * kKeys, 0, (kLanes - ln.n) * kKeys * 2);
+  for (int64_t r = ln.n; r < kLanes; ++r) t[r] = _mm512_setzero_ps();
+  for (int64_t r = 0; r < ln.n; ++r) {  // P, its row sums (in one tree below) and its bf16 A tile
+    const __m512 vmb = _mm512_set1_ps(mb[r]);
+    const __m512 p0 = _mm512_maskz_mov_ps(m0[r], exp512(_mm512_sub_ps(x[2 * r], vmb)));
+    const __m512 p1 = _mm512_maskz_mov_ps(m1[r], exp512(_mm512_sub_ps(x[2 * r + 1], vmb)));
+    t[r] = _mm512_add_ps(p0, p1);
     _mm256_store_si256(reinterpret_cast<__m256i*>(pa + r * kKeys), round_bf16(p0));
     _mm256_store_si256(reinterpret_cast<__m256i*>(pa + r * kKeys + 16), round_bf16(p1));
   }
+  const __m512 sum = transpose_sum16(t);
+  // every lane's rescaling at once: corr = exp(m - new m), 0 before the lane's first key
+  const __m512 corr = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(m_old, ninf, _CMP_NEQ_OQ) & active,
+                                          exp512(_mm512_sub_ps(m_old, m_new)));
+  _mm512_store_ps(ln.l, _mm512_mask_add_ps(_mm512_load_ps(ln.l), active,
+                                           _mm512_mul_ps(_mm512_load_ps(ln.l), corr), sum));
+  _mm512_store_ps(ln.m, _mm512_mask_mov_ps(m_old, active, m_new));
+  alignas(64) float cs[kLanes];
+  _mm512_store_ps(cs, corr);
   LANE_TILE_LOAD(5, pa, 64);
   const uint32_t* vt = tiles + 2 * (D / 32) * kTile;
   for (int64_t c = 0; c < D / 16; ++c) {
@@ -166,8 +181,8 @@ __attribute__((noinline)) void attend_step(Lanes<D>& ln, const uint32_t* tiles, 
     LANE_TILE_STORE(7, o + 16 * c, D * 4);
   }
   for (int64_t r = 0; r < ln.n; ++r) {
-    if (ln.len[r] - kKeys * j <= 0) continue;
-    const __m512 cv = _mm512_set1_ps(corr[r]);
+    if (!((active >> r) & 1)) continue;
+    const __m512 cv = _mm512_set1_ps(cs[r]);
     float* a = ln.acc + r * D;
     for (int64_t d = 0; d < D; d += 16)
       _mm512_store_ps(a + d, _mm512_add_ps(_mm512_mul_ps(_mm512_load_ps(a + d), cv), _mm512_load_ps(o + r * D + d)));
