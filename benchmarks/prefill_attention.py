@@ -6,7 +6,7 @@ head_dim 64, 16-token blocks) at contexts 0 .. 7k, both paths side by side, and 
 batch-invariant default (each row attended as a decode row): in bf16 on a CPU with AMX-BF16
 its tiles (paged_attention_amx.cpp) and its AVX-512 kernel, against gather + SDPA;
 (b) TTFT of the embedded SmolLM2 (``LLM()``, default chunking of 2048 tokens) at 512 / 2k
-/ 7k-token prompts, each path in its own process (``LANE_PREFILL_ATTENTION=torch|kernel``).
+/ 7k-token prompts, each path in its own process (``LANE_PREFILL_ATTENTION=torch|kernel|rows``).
 
     python benchmarks/prefill_attention.py [--dtype float32] [--contexts 0,512,1024,2048,4096,7168]
         [--prompts 512,2048,7168]
@@ -107,12 +107,13 @@ def main() -> None:
     chunks = per_chunk(getattr(torch, a.dtype), contexts)
     print(f"(b) TTFT, embedded SmolLM2, {a.dtype}", flush=True)
     t = {}
-    for path in ("torch", "kernel"):
+    for path in ("torch", "kernel", "rows"):  # rows: the batch-invariant default
         t[path] = ttft(a.dtype, path, prompts)
         print(f"  {path:6s}: " + "  ".join(f"{n} tokens {s:.2f} s" for n, s in t[path].items()), flush=True)
     print(json.dumps({"dtype": a.dtype, "chunk512": chunks,
-                      "ttft_s": {n: {"torch": t["torch"][n], "kernel": t["kernel"][n],
-                                     "ratio": t["torch"][n] / t["kernel"][n]} for n in prompts}}))
+                      "ttft_s": {n: {"torch": t["torch"][n], "kernel": t["kernel"][n], "rows": t["rows"][n],
+                                     "ratio": t["torch"][n] / t["kernel"][n],
+                                     "torch_over_rows": t["torch"][n] / t["rows"][n]} for n in prompts}}))
 
 
 if __name__ == "__main__":
