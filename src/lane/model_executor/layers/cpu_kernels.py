@@ -482,11 +482,7 @@ def bf16_amx(enable: bool | None = None) -> bool:
     tiles here, for every M (the CPU has AMX-BF16 and the tile state; LANE_CPU_AMX=0 turns it
     off). With ``enable``, set it first: benchmarks only, as the tiles' sums differ from the
     FMA kernel's and a switch mid-run breaks batch invariance."""
-    if _lib is None:
-        return False
-    out = torch.zeros(1, dtype=torch.int64)
-    _lib.lane_bf16_amx(-1 if enable is None else int(enable), out.data_ptr())
-    return bool(out[0])
+    return _amx_switch("lane_bf16_amx", enable)
 
 
 def attention_amx(enable: bool | None = None) -> bool:
@@ -494,10 +490,16 @@ def attention_amx(enable: bool | None = None) -> bool:
     rows alike) runs on AMX-BF16 tiles here: the CPU has AMX-BF16 and the model's shape takes
     them (head_dim 64 or 128, 16-token blocks, at most 16 query heads per KV head). With
     ``enable``, set it first: benchmarks only, as a switch mid-run breaks batch invariance."""
+    return _amx_switch("lane_attention_amx", enable)
+
+
+def _amx_switch(name: str, enable: bool | None) -> bool:
+    """A kernel's AMX switch (lane_bf16_amx, lane_attention_amx): set it (enable not None), then
+    whether its tiles are taken here."""
     if _lib is None:
         return False
     out = torch.zeros(1, dtype=torch.int64)
-    _lib.lane_attention_amx(-1 if enable is None else int(enable), out.data_ptr())
+    getattr(_lib, name)(-1 if enable is None else int(enable), out.data_ptr())
     return bool(out[0])
 
 

@@ -23,6 +23,15 @@ struct alignas(64) TileConfig {
 
 // Load cfg into this thread's tile unit (tile configs are per thread)
 inline void tile_configure(const TileConfig& cfg) { asm volatile("ldtilecfg %0" ::"m"(cfg) : "memory"); }
+// Every tile 16 rows of 64 bytes, the largest (the bf16 tiles: dense layers, attention); the
+// config is thread_local, not on the stack, so the compiler cannot drop it
+inline void tile_configure_full() {
+  static thread_local TileConfig cfg;
+  cfg = TileConfig{};
+  cfg.palette = 1;
+  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  tile_configure(cfg);
+}
 // The tile state off again: context switches save 8 KiB less
 inline void tile_release() { asm volatile("tilerelease" ::); }
 

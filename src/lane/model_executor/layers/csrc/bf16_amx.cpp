@@ -65,11 +65,7 @@ inline void store_transposed(const float* c, const __m512 bias, bf16* y, int64_t
 // (two B tiles): four C tiles, each summed over all of K
 void units(const bf16* w, const uint32_t* xb, const bf16* bias, bf16* y, int64_t M, int64_t N, int64_t K,
            int64_t u0, int64_t u1) {
-  static thread_local TileConfig cfg;
-  cfg = TileConfig{};
-  cfg.palette = 1;
-  for (int t = 0; t < 8; ++t) cfg.rows[t] = kRows, cfg.colsb[t] = 64;
-  tile_configure(cfg);
+  tile_configure_full();
   const int64_t steps = K / kStep, tiles = (M + kRows - 1) / kRows, stride = K * 2;
   alignas(64) float c[4][kRows * kRows];
   for (int64_t u = u0; u < u1; ++u) {

@@ -39,7 +39,6 @@ constexpr int64_t kLanes = 16;  // query rows a tile holds
 constexpr int64_t kKeys = 32;   // keys a step takes: two 16-token blocks
 constexpr int64_t kBS = 16;
 constexpr int64_t kTile = 256;  // 32-bit words in a tile: 16 rows of 64 bytes
-constexpr int64_t kMaxD = 128;
 
 // A step's tiles: K ([2 blocks][D / 32 chunks], each 16 dim pairs x 16 keys), then V ([D / 16],
 // each 16 key pairs x 16 dims)
@@ -119,7 +118,7 @@ struct Lanes {
 
 inline __mmask16 first(int64_t k) { return k >= 16 ? __mmask16(0xffff) : k <= 0 ? __mmask16(0) : __mmask16((1u << k) - 1u); }
 
-// Step j of every lane, on its packed tiles (tiles configured: 8 of 16 rows x 64 bytes)
+// Step j of every lane, on its packed tiles (tiles configured by tile_configure_full)
 template <int64_t D>
 __attribute__((noinline)) void attend_step(Lanes<D>& ln, const uint32_t* tiles, int64_t j, float scale) {
   alignas(64) float s[kLanes * kKeys];
@@ -189,21 +188,13 @@ __attribute__((noinline)) void attend_step(Lanes<D>& ln, const uint32_t* tiles, 
   }
 }
 
-inline void configure_tiles() {
-  static thread_local TileConfig cfg;
-  cfg = TileConfig{};
-  cfg.palette = 1;
-  for (int t = 0; t < 8; ++t) cfg.rows[t] = kLanes, cfg.colsb[t] = 64;
-  tile_configure(cfg);
-}
-
 template <int64_t D>
 void attend(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* tables, const int32_t* lens,
             uint16_t* out, int64_t B, int64_t H, int64_t KVH, int64_t MB, float scale, int threads) {
   const int64_t G = H / KVH;
   if (MB > 0) {  // decode rows: one request's G heads a tile, each step packed where it is used
     parallel_for(B * KVH, 1, threads, [&](int64_t begin, int64_t end) {
-      configure_tiles();
+      tile_configure_full();
       Lanes<D> ln;
       alignas(64) uint32_t tiles[step_words<D>()];
       for (int64_t k = begin; k < end; ++k) {
@@ -234,7 +225,7 @@ void attend(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int
   });
   const int64_t R = kLanes / G, groups = (B + R - 1) / R;
   parallel_for(groups * KVH, 1, threads, [&](int64_t begin, int64_t end) {
-    configure_tiles();
+    tile_configure_full();
     Lanes<D> ln;
     for (int64_t k = begin; k < end; ++k) {
       const int64_t item = zigzag(k, groups * KVH), b0 = item / KVH * R, h = item % KVH;
@@ -266,7 +257,7 @@ extern "C" bool lane_paged_attention_amx(const void* q, const void* k_cache, con
                                          int64_t H, int64_t KVH, int64_t D, int64_t BS, int64_t MB, float scale,
                                          int threads) {
 #if defined(__AVX512F__)
-  if (BS != kBS || (D != 64 && D != kMaxD) || H % KVH != 0 || H / KVH > kLanes || !attention_amx_usable())
+  if (BS != kBS || (D != 64 && D != 128) || H % KVH != 0 || H / KVH > kLanes || !attention_amx_usable())
     return false;
   if (B <= 0) return true;
   const auto* qp = static_cast<const uint16_t*>(q);
