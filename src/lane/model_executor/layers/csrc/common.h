@@ -346,9 +346,7 @@ inline __m256i round_bf16(__m512 v) {
   asm("vcvtneps2bf16 %1, %0" : "=v"(r) : "v"(v));
   return r;
 }
-#endif
 
-#if defined(__AVX512F__)
 // fast_exp on 16 lanes (the same polynomial, as FMAs)
 inline __m512 exp512(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
@@ -365,9 +363,7 @@ inline __m512 exp512(__m512 x) {
   const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
-#endif
 
-#if defined(__AVX512F__)
 // v[0..15] -> one vector whose lane t folds v[t]'s 16 lanes by op (add, max) in a fixed tree: pairs
 // within 128-bit lanes, then across them; ~3 instructions a vector, where a reduce is ~8
 template <typename Op>
