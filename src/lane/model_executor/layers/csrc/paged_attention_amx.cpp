@@ -2,12 +2,17 @@
 // and a prefill chunk's rows (each attended as a decode row at its position: the batch-invariant
 // prefill), so a row's output is the same bits whichever way it came.
 //
-// A tile's 16 rows ("lanes") are query rows of one KV head: the G heads of one request (decode),
-// or of 16 / G consecutive positions (a chunk). The context goes by in steps of 32 keys, two
-// cache blocks, counted from position 0 for every lane: S = Q K^T (two C tiles), a per-lane
-// online softmax over the step's keys, O += P V (P rounded to bf16). K and V enter as B tiles,
-// packed from the cache: K's blocks transposed (dim pairs x keys), V's key pairs interleaved value
-// by value. A chunk packs each step once, for all its rows; a decode row packs its own.
+// A tile's 16 "lanes" are query rows of one KV head: the G heads of one request (decode), or of
+// 16 / G consecutive positions (a chunk). The context goes by in steps of 32 keys, two cache
+// blocks, counted from position 0 for every lane: S^T = K Q^T (two C tiles, keys x lanes), a
+// per-lane online softmax over the step's keys, O += P V (P rounded to bf16). The queries are the
+// B tile (dim pairs x lanes, built once a row); a K block is an A tile as it lies in the cache
+// (16 keys x 32 dims), so K is never transposed, and with a key's lanes in one vector a lane's
+// max and sum over the step are plain vector folds (P goes back to lanes x keys by one register
+// transpose). V enters as B tiles, its key pairs interleaved value by value. A chunk packs each
+// step's K and V once, for all its rows; a decode row reads K from the cache and packs its V.
+// (Against K transposed into B tiles: decode attention over a cache in DRAM 10-20 % faster,
+// chunks the same.)
 //
 // Why a row is the same in both: every lane's arithmetic is its own (a tile's C[m][n] is row m
 // of A against column n of B), runs in one function (attend_step) over the same steps, and keys
@@ -40,36 +45,31 @@ constexpr int64_t kKeys = 32;   // keys a step takes: two 16-token blocks
 constexpr int64_t kBS = 16;
 constexpr int64_t kTile = 256;  // 32-bit words in a tile: 16 rows of 64 bytes
 
-// A step's tiles: K ([2 blocks][D / 32 chunks], each 16 dim pairs x 16 keys), then V ([D / 16],
-// each 16 key pairs x 16 dims)
+// Step j's keys of KV head h (block table `table`, context L): its two K blocks as A tiles in kb
+// (nullptr past L): the cache's own rows (row stride D), or with kdst, copied there as tiles of
+// 64-byte rows ([block][D / 32][key][32 dims]); and its V as B tiles ([D / 16], each 16 key pairs
+// x 16 dims: keys 2i, 2i + 1 interleaved value by value) in dst, keys at or past L zeros. Either
+// way of K gives the tiles the same values; the copy only makes a chunk's loads dense.
 template <int64_t D>
-constexpr int64_t step_words() { return (2 * (D / 32) + D / 16) * kTile; }
-
-// Keys 32 j .. 32 j + 31 of KV head h (block table `table`, context L) -> dst; keys at or past L
-// are zeros
-template <int64_t D>
-void pack_step(const uint16_t* kc, const uint16_t* vc, const int64_t* table, int64_t L, int64_t j, int64_t h,
-               int64_t KVH, uint32_t* dst) {
-  const uint16_t* kb[2] = {nullptr, nullptr};
+void step_blocks(const uint16_t* kc, const uint16_t* vc, const int64_t* table, int64_t L, int64_t j, int64_t h,
+                 int64_t KVH, const uint16_t** kb, uint32_t* dst, uint32_t* kdst = nullptr) {
   const uint16_t* vb[2] = {nullptr, nullptr};
   int64_t n[2];
   for (int b = 0; b < 2; ++b) {
     n[b] = std::clamp<int64_t>(L - kKeys * j - kBS * b, 0, kBS);
+    kb[b] = nullptr;
     if (n[b] > 0) {
       const int64_t base = (table[2 * j + b] * KVH + h) * kBS * D;
       kb[b] = kc + base, vb[b] = vc + base;
     }
   }
-  for (int b = 0; b < 2; ++b)
-    for (int64_t c = 0; c < D / 32; ++c) {
-      __m512 v[16];
+  for (int b = 0; kdst && b < 2; ++b) {  // K as A tiles of 64-byte rows ([D / 32][key][32 dims])
+    if (!kb[b]) continue;
+    for (int64_t c = 0; c < D / 32; ++c)
       for (int t = 0; t < 16; ++t)
-        v[t] = t < n[b] ? _mm512_castsi512_ps(_mm512_loadu_si512(kb[b] + t * D + 32 * c)) : _mm512_setzero_ps();
-      transpose16(v);  // row p: dims 32 c + 2p, 2p + 1 of each key
-      uint32_t* o = dst + (b * (D / 32) + c) * kTile;
-      for (int p = 0; p < 16; ++p) _mm512_store_si512(o + 16 * p, _mm512_castps_si512(v[p]));
-    }
-  uint32_t* vt = dst + 2 * (D / 32) * kTile;
+        _mm512_store_si512(kdst + (b * (D / 32) + c) * kTile + 16 * t, _mm512_loadu_si512(kb[b] + t * D + 32 * c));
+    kb[b] = reinterpret_cast<const uint16_t*>(kdst + b * (D / 32) * kTile);
+  }
   alignas(64) static const uint16_t lo_idx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
                                                   8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
   const __m512i lo = _mm512_load_si512(lo_idx), hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
@@ -78,29 +78,35 @@ void pack_step(const uint16_t* kc, const uint16_t* vc, const int64_t* table, int
     for (int64_t c = 0; c < D / 32; ++c) {
       const __m512i x = t < n[b] ? _mm512_loadu_si512(vb[b] + t * D + 32 * c) : _mm512_setzero_si512();
       const __m512i y = t + 1 < n[b] ? _mm512_loadu_si512(vb[b] + (t + 1) * D + 32 * c) : _mm512_setzero_si512();
-      _mm512_store_si512(vt + (2 * c) * kTile + 16 * k2, _mm512_permutex2var_epi16(x, lo, y));
-      _mm512_store_si512(vt + (2 * c + 1) * kTile + 16 * k2, _mm512_permutex2var_epi16(x, hi, y));
+      _mm512_store_si512(dst + (2 * c) * kTile + 16 * k2, _mm512_permutex2var_epi16(x, lo, y));
+      _mm512_store_si512(dst + (2 * c + 1) * kTile + 16 * k2, _mm512_permutex2var_epi16(x, hi, y));
     }
   }
 }
 
 // One tile's rows: their context lengths, where their queries are and where their outputs go,
-// their softmax state and accumulators, and their queries as A tiles ([D / 32][lane][32])
+// their softmax state and accumulators, and their queries as B tiles ([D / 32], each 16 dim
+// pairs x 16 lanes), so that a cache block is an A tile as it lies and S comes out keys x lanes
 template <int64_t D>
 struct Lanes {
   int64_t n = 0;
   int64_t len[kLanes];
   const uint16_t* q[kLanes];
   uint16_t* out[kLanes];
+  alignas(64) int32_t lens[kLanes];
   alignas(64) float m[kLanes], l[kLanes];
   alignas(64) float acc[kLanes * D];
-  alignas(64) uint16_t qa[D / 32 * kLanes * 32];
+  alignas(64) uint32_t qb[D / 32 * kTile];
 
   void start() {
-    std::fill(qa, qa + D / 32 * kLanes * 32, uint16_t{0});
-    for (int64_t r = 0; r < n; ++r) {
-      for (int64_t c = 0; c < D / 32; ++c) std::memcpy(qa + (c * kLanes + r) * 32, q[r] + 32 * c, 64);
+    for (int64_t c = 0; c < D / 32; ++c) {
+      __m512 v[kLanes];
+      for (int64_t r = 0; r < kLanes; ++r)
+        v[r] = r < n ? _mm512_castsi512_ps(_mm512_loadu_si512(q[r] + 32 * c)) : _mm512_setzero_ps();
+      transpose16(v);  // row p: dims 32 c + 2p, 2p + 1 of every lane
+      for (int p = 0; p < 16; ++p) _mm512_store_si512(qb + c * kTile + 16 * p, _mm512_castps_si512(v[p]));
     }
+    for (int64_t r = 0; r < kLanes; ++r) lens[r] = r < n ? static_cast<int32_t>(len[r]) : 0;
     std::fill(m, m + kLanes, -INFINITY);
     std::fill(l, l + kLanes, 0.f);
     std::fill(acc, acc + kLanes * D, 0.f);
@@ -116,63 +122,65 @@ struct Lanes {
   }
 };
 
-inline __mmask16 first(int64_t k) { return k >= 16 ? __mmask16(0xffff) : k <= 0 ? __mmask16(0) : __mmask16((1u << k) - 1u); }
-
-// Step j of every lane, on its packed tiles (tiles configured by tile_configure_full)
+// Step j of every lane: K blocks kb (nullptr: none; a block's 32 dims c at kb + c kstep, rows
+// kstride bytes apart), V tiles vt (tiles configured by tile_configure_full). S^T = K Q^T puts a
+// key's 16 lanes in one vector, so a lane's max and sum over the step are plain vector folds; P
+// goes back to lanes x keys by one transpose
 template <int64_t D>
-__attribute__((noinline)) void attend_step(Lanes<D>& ln, const uint32_t* tiles, int64_t j, float scale) {
-  alignas(64) float s[kLanes * kKeys];
+__attribute__((noinline)) void attend_step(Lanes<D>& ln, const uint16_t* const* kb, int64_t kstep, int64_t kstride,
+                                           const uint32_t* vt, int64_t j, float scale) {
+  alignas(64) float s[kKeys * kLanes];
   alignas(64) float o[kLanes * D];
-  alignas(64) uint16_t pa[kLanes * kKeys];
+  alignas(64) uint32_t pa[kTile];
   LANE_TILE_ZERO(0);
   LANE_TILE_ZERO(1);
   for (int64_t c = 0; c < D / 32; ++c) {
-    LANE_TILE_LOAD(2, ln.qa + c * kLanes * 32, 64);
-    LANE_TILE_LOAD(3, tiles + c * kTile, 64);
-    LANE_TILE_DPBF16PS(0, 2, 3);
-    LANE_TILE_LOAD(4, tiles + (D / 32 + c) * kTile, 64);
-    LANE_TILE_DPBF16PS(1, 2, 4);
+    LANE_TILE_LOAD(3, ln.qb + c * kTile, 64);
+    if (kb[0]) {
+      LANE_TILE_LOAD(2, kb[0] + kstep * c, kstride);
+      LANE_TILE_DPBF16PS(0, 2, 3);
+    }
+    if (kb[1]) {
+      LANE_TILE_LOAD(4, kb[1] + kstep * c, kstride);
+      LANE_TILE_DPBF16PS(1, 4, 3);
+    }
   }
-  LANE_TILE_STORE(0, s, kKeys * 4);
-  LANE_TILE_STORE(1, s + 16, kKeys * 4);
+  LANE_TILE_STORE(0, s, 64);
+  LANE_TILE_STORE(1, s + kBS * kLanes, 64);
+  // scores scaled, keys a lane must not see at -inf (their P exactly 0; a lane with none of this
+  // step's keys is inactive: its state stays as it was)
   const __m512 vs = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
-  // scores scaled, keys a lane must not see at -inf (a lane with none of this step's keys is
-  // inactive: its state stays as it was, its P row zeros); every lane's max in one tree
-  __mmask16 active = 0, m0[kLanes], m1[kLanes];
-  __m512 x[2 * kLanes], t[kLanes];
-  for (int64_t r = ln.n; r < kLanes; ++r) t[r] = ninf, m0[r] = m1[r] = 0;  // no row: no key
-  for (int64_t r = 0; r < ln.n; ++r) {
-    const int64_t k = ln.len[r] - kKeys * j;  // keys of this step the lane sees
-    if (k > 0) active |= static_cast<__mmask16>(1u << r);
-    m0[r] = first(k), m1[r] = first(k - 16);
-    x[2 * r] = _mm512_mask_mov_ps(ninf, m0[r], _mm512_mul_ps(_mm512_load_ps(s + r * kKeys), vs));
-    x[2 * r + 1] = _mm512_mask_mov_ps(ninf, m1[r], _mm512_mul_ps(_mm512_load_ps(s + r * kKeys + 16), vs));
-    t[r] = _mm512_max_ps(x[2 * r], x[2 * r + 1]);
+  const __m512i lens = _mm512_load_si512(ln.lens);
+  const int32_t k0 = static_cast<int32_t>(kKeys * j);
+  __mmask16 seen[kKeys];
+  __m512 x[kKeys];
+  __m512 mx = ninf;
+  for (int k = 0; k < kKeys; ++k) {
+    seen[k] = _mm512_cmpgt_epi32_mask(lens, _mm512_set1_epi32(k0 + k));
+    x[k] = _mm512_mask_mov_ps(ninf, seen[k], _mm512_mul_ps(_mm512_load_ps(s + k * kLanes), vs));
+    mx = _mm512_max_ps(mx, x[k]);
   }
-  const __m512 m_old = _mm512_load_ps(ln.m), m_new = _mm512_max_ps(m_old, transpose_max16(t));
-  alignas(64) float mb[kLanes];
-  _mm512_store_ps(mb, m_new);
-  std::memset(pa + ln.n * kKeys, 0, (kLanes - ln.n) * kKeys * 2);
-  for (int64_t r = ln.n; r < kLanes; ++r) t[r] = _mm512_setzero_ps();
-  for (int64_t r = 0; r < ln.n; ++r) {  // P, its row sums (in one tree below) and its bf16 A tile
-    const __m512 vmb = _mm512_set1_ps(mb[r]);
-    const __m512 p0 = _mm512_maskz_mov_ps(m0[r], exp512(_mm512_sub_ps(x[2 * r], vmb)));
-    const __m512 p1 = _mm512_maskz_mov_ps(m1[r], exp512(_mm512_sub_ps(x[2 * r + 1], vmb)));
-    t[r] = _mm512_add_ps(p0, p1);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(pa + r * kKeys), round_bf16(p0));
-    _mm256_store_si256(reinterpret_cast<__m256i*>(pa + r * kKeys + 16), round_bf16(p1));
-  }
-  const __m512 sum = transpose_sum16(t);
+  const __mmask16 active = seen[0];
+  const __m512 m_old = _mm512_load_ps(ln.m), m_new = _mm512_max_ps(m_old, mx);
+  __m512i w[kLanes];
+  for (int k = 0; k < kKeys; ++k) x[k] = _mm512_maskz_mov_ps(seen[k], exp512(_mm512_sub_ps(x[k], m_new)));
+  for (int k = 0; k < kKeys; k += 2)  // lanes x key pairs, as bf16 pairs
+    w[k / 2] = _mm512_or_si512(_mm512_cvtepu16_epi32(round_bf16(x[k])),
+                               _mm512_slli_epi32(_mm512_cvtepu16_epi32(round_bf16(x[k + 1])), 16));
+  for (int span = kKeys / 2; span >= 1; span /= 2)  // row sums: a fixed tree
+    for (int k = 0; k < span; ++k) x[k] = _mm512_add_ps(x[k], x[k + span]);
+  __m512* wp = reinterpret_cast<__m512*>(w);
+  transpose16(wp);  // row r: lane r's 32 keys
+  for (int r = 0; r < kLanes; ++r) _mm512_store_si512(pa + 16 * r, _mm512_castps_si512(wp[r]));
   // every lane's rescaling at once: corr = exp(m - new m), 0 before the lane's first key
   const __m512 corr = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(m_old, ninf, _CMP_NEQ_OQ) & active,
                                           exp512(_mm512_sub_ps(m_old, m_new)));
   _mm512_store_ps(ln.l, _mm512_mask_add_ps(_mm512_load_ps(ln.l), active,
-                                           _mm512_mul_ps(_mm512_load_ps(ln.l), corr), sum));
+                                           _mm512_mul_ps(_mm512_load_ps(ln.l), corr), x[0]));
   _mm512_store_ps(ln.m, _mm512_mask_mov_ps(m_old, active, m_new));
   alignas(64) float cs[kLanes];
   _mm512_store_ps(cs, corr);
   LANE_TILE_LOAD(5, pa, 64);
-  const uint32_t* vt = tiles + 2 * (D / 32) * kTile;
   for (int64_t c = 0; c < D / 16; ++c) {
     LANE_TILE_ZERO(7);
     LANE_TILE_LOAD(6, vt + c * kTile, 64);
@@ -192,11 +200,12 @@ template <int64_t D>
 void attend(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* tables, const int32_t* lens,
             uint16_t* out, int64_t B, int64_t H, int64_t KVH, int64_t MB, float scale, int threads) {
   const int64_t G = H / KVH;
-  if (MB > 0) {  // decode rows: one request's G heads a tile, each step packed where it is used
+  if (MB > 0) {  // decode rows: one request's G heads a tile, each step's V packed where it is used
     parallel_for(B * KVH, 1, threads, [&](int64_t begin, int64_t end) {
       tile_configure_full();
       Lanes<D> ln;
-      alignas(64) uint32_t tiles[step_words<D>()];
+      alignas(64) uint32_t vt[D / 16 * kTile];
+      const uint16_t* kb[2];
       for (int64_t k = begin; k < end; ++k) {
         const int64_t b = k / KVH, h = k % KVH;
         ln.n = G;
@@ -207,8 +216,8 @@ void attend(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int
         }
         ln.start();
         for (int64_t j = 0, n = ln.steps(); j < n; ++j) {
-          pack_step<D>(kc, vc, tables + b * MB, lens[b], j, h, KVH, tiles);
-          attend_step<D>(ln, tiles, j, scale);
+          step_blocks<D>(kc, vc, tables + b * MB, lens[b], j, h, KVH, kb, vt);
+          attend_step<D>(ln, kb, 32, D * 2, vt, j, scale);
         }
         ln.finish();
       }
@@ -216,12 +225,15 @@ void attend(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int
     });
     return;
   }
-  // rows of one table (MB 0): each step packed once for every tile, then 16 / G rows a tile
+  // rows of one table (MB 0): each step's V packed once for every tile, then 16 / G rows a tile
   const int64_t L = *std::max_element(lens, lens + B), steps = (L + kKeys - 1) / kKeys;
-  uint32_t* packed = align64(scratch<uint32_t, 1>(KVH * steps * step_words<D>() + 16));
+  constexpr int64_t kwords = 2 * (D / 32) * kTile, words = kwords + D / 16 * kTile;
+  uint32_t* packed = align64(scratch<uint32_t, 1>(KVH * steps * words + 16));
+  const uint16_t** blocks = scratch<const uint16_t*, 2>(KVH * steps * 2);
   parallel_for(KVH * steps, 4, threads, [&](int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end; ++u)
-      pack_step<D>(kc, vc, tables, L, u % steps, u / steps, KVH, packed + u * step_words<D>());
+      step_blocks<D>(kc, vc, tables, L, u % steps, u / steps, KVH, blocks + 2 * u, packed + u * words + kwords,
+                     packed + u * words);
   });
   const int64_t R = kLanes / G, groups = (B + R - 1) / R;
   parallel_for(groups * KVH, 1, threads, [&](int64_t begin, int64_t end) {
@@ -237,8 +249,10 @@ void attend(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int
         ln.out[r] = out + (b * H + head) * D;
       }
       ln.start();
-      for (int64_t j = 0, n = ln.steps(); j < n; ++j)
-        attend_step<D>(ln, packed + (h * steps + j) * step_words<D>(), j, scale);
+      for (int64_t j = 0, n = ln.steps(); j < n; ++j) {
+        const int64_t u = h * steps + j;
+        attend_step<D>(ln, blocks + 2 * u, 2 * kTile, 64, packed + u * words + kwords, j, scale);
+      }
       ln.finish();
     }
     tile_release();
