@@ -1,5 +1,5 @@
-"""The fused decode step (models/llama_decode.py: every layer of a step of decodes in one
-kernel call) against the module path it replaces: the same kernels in the same order, so
+"""The fused step (models/llama_decode.py: every layer of a step of decodes and prefill chunks
+in one kernel call) against the module path it replaces: the same kernels in the same order, so
 the same tokens and the same logprobs, bit for bit, on the embedded SmolLM2 (Q4_1 blocks,
 repacked 8 rows interleaved), a tiny K-quant llama (K-quant and dense layers) and a tiny
 dense Qwen2 (q/k/v biases) in bf16."""
@@ -44,6 +44,16 @@ def test_smollm_fused_decode_is_the_module_path(smollm_gguf, dtype, monkeypatch)
     assert layer.self_attn.qkv_proj.qx8 and layer.mlp.down_proj.qx8  # the repacked Q4_1
     plan = fused_against_modules(llm, PROMPTS, monkeypatch)  # 4 decode rows a step, then fewer
     assert plan.max_rows >= len(PROMPTS)
+
+
+def test_smollm_fused_mixed_steps_are_the_module_path(smollm_gguf, monkeypatch):
+    """Chunked prefill under a 16-token budget: a long prompt's chunks share steps with a short
+    one's decodes, each chunk row attended on its request's table at its own position."""
+    llm = LLM(smollm_gguf, dtype="bfloat16", quantization="auto", show_progress=False, max_model_len=1024,
+              kv_cache_memory_bytes=128 << 20, enable_prefix_caching=False, max_num_batched_tokens=16)
+    prompts = [{"prompt_token_ids": list(range(100, 100 + n))} for n in (5, 61, 37)]
+    plan = fused_against_modules(llm, prompts, monkeypatch)
+    assert plan.mixed_steps > 0
 
 
 def test_kquant_and_dense_layers_fused(kquant_gguf, monkeypatch):  # noqa: F811

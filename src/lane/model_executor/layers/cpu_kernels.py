@@ -306,16 +306,20 @@ def cache_write(k, v, k_cache, v_cache, slot_mapping):
                           slots.data_ptr(), _DTYPE_CODES[k.dtype], T, KVH, D, k_cache.shape[2])
 
 
-def llama_decode_layers(model_rec, layer_recs, x, residual, positions, slots, block_tables, context_lens, eps,
-                        scale, times=None):
-    """Every layer of a Llama-family step of decodes (models/llama_decode.py builds the int64
-    records): x [B, hidden] contiguous, the embeddings in and the last layer's output out, in
-    place; residual [B, hidden] written; positions / slots [B] int64, block_tables [B, max blocks]
-    int64, context_lens [B] int32, contiguous; times: None or float64 [6], the pieces' seconds."""
+def llama_decode_layers(model_rec, layer_recs, x, residual, positions, slots, block_tables, context_lens, spans,
+                        eps, scale, times=None):
+    """Every layer of a Llama-family step of decodes and prefill chunks (models/llama_decode.py
+    builds the int64 records): x [T, hidden] contiguous, the embeddings in and the last layer's
+    output out, in place; residual [T, hidden] written; positions / slots [T] int64. The first
+    B = len(context_lens) rows are decodes: block_tables [B, max blocks] int64, context_lens [B]
+    int32, contiguous; the rest are chunks: spans [S, 4] int64 (first row, rows, tokens already
+    cached, the data_ptr of the request's int64 block ids), in row order. times: None or float64
+    [6], the pieces' seconds."""
     _lib.lane_llama_decode_layers(model_rec.data_ptr(), layer_recs.data_ptr(), x.data_ptr(), residual.data_ptr(),
                                   _DTYPE_CODES[x.dtype], positions.data_ptr(), slots.data_ptr(),
-                                  block_tables.data_ptr(), context_lens.data_ptr(), x.shape[0], block_tables.shape[1],
-                                  eps, scale, None if times is None else times.data_ptr(), torch.get_num_threads())
+                                  block_tables.data_ptr(), context_lens.data_ptr(), context_lens.shape[0],
+                                  block_tables.shape[1], spans.data_ptr(), spans.shape[0], x.shape[0], eps, scale,
+                                  None if times is None else times.data_ptr(), torch.get_num_threads())
 
 
 def prefill_attention(q, k_cache, v_cache, block_ids, num_computed, scale):

@@ -146,7 +146,7 @@ class LlamaModel(nn.Module):
         tracing.forward_mark()(Step.OPS_INPUT_NORM)
         md = get_forward_context().attn_metadata
         fused = self._fused_decode(x)
-        if fused is not None and fused.applies(x, md):  # a step of decodes: one kernel call
+        if fused is not None and fused.applies(x, md):  # decodes and row-by-row chunks: one kernel call
             x, residual = fused(x, positions, md[0])
         else:
             rope = self.rotary.prepare(positions, x.dtype)

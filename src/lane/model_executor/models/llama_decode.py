@@ -1,9 +1,11 @@
-"""The Llama family's decode step in one kernel call (``lane_llama_decode_layers``): every
-layer of a step whose rows are all decodes, on the CPU, where the module path would run
-lane's kernels for each piece anyway (quantized weights, or bf16 / fp16). At batch 1 the
-module path spends as long dispatching its ~20 small ops a layer from Python as the layer's
-arithmetic takes; here Python makes one call a step. The kernels and their order are the
-module path's, so the two agree to rounding (tests/test_llama_decode.py).
+"""The Llama family's step in one kernel call (``lane_llama_decode_layers``): every layer of a
+step of decodes and prefill chunks, on the CPU, where the module path would run lane's kernels
+for each piece anyway (quantized weights, or bf16 / fp16). At batch 1 the module path spends as
+long dispatching its ~20 small ops a layer from Python as the layer's arithmetic takes, and a
+chunk pays the same dispatch and a few copies a layer besides; here Python makes one call a step.
+The kernels and their order are the module path's, so the two agree to rounding
+(tests/test_llama_decode.py). Chunks go this way only where the module path attends them row by
+row on the decode kernel (the batch-invariant prefill), so a row's attention is the same call.
 
 ``LANE_FUSED_DECODE=0`` keeps the module path (so does tracing with per-layer spans). The
 plan (pointers to each layer's weights and caches) is built once, when the caches exist.
@@ -17,7 +19,7 @@ import torch
 from lane import tracing
 from lane.attention.metadata import PagedAttentionMetadata
 from lane.model_executor.layers import cpu_kernels
-from lane.model_executor.layers.attention import Attention
+from lane.model_executor.layers.attention import Attention, prefill_rows_for
 from lane.model_executor.layers.linear import Linear, dense_rows, quant_rows
 from lane.tracing import Step
 
@@ -107,8 +109,11 @@ class FusedDecode:
         self.layer_recs = torch.tensor(recs, dtype=torch.int64)
         self.keep = keep
         self.caches = (layers[0].self_attn.attn.k_cache.data_ptr(), layers[-1].self_attn.attn.v_cache.data_ptr())
+        self.k_cache = layers[0].self_attn.attn.k_cache  # what prefill_rows_for asks of a cache
         self.steps = 0  # steps run fused (tests read it)
+        self.mixed_steps = 0  # of which decodes and chunks together
         self.eps = float(layers[0].input_layernorm.eps)
+        self.block_size = a0.attn.k_cache.shape[2]
         self.scale = float(a0.attn.scale)
         self.dtype = dtype
         self.times = torch.zeros(len(PIECE_STEPS), dtype=torch.float64)
@@ -137,24 +142,44 @@ class FusedDecode:
                 model.layers[-1].self_attn.attn.v_cache.data_ptr()) == self.caches
 
     def applies(self, x: torch.Tensor, md) -> bool:
-        return (x.device.type == "cpu" and x.dtype == self.dtype and len(md) == 1
-                and isinstance(md[0], PagedAttentionMetadata) and md[0].num_decodes == x.shape[0] <= self.max_rows
-                and not tracing.tracer.layer_detail)
+        """A step of decodes (its first rows) and chunks, in row order, each chunk attended row by
+        row as the module path would attend it."""
+        if not (x.device.type == "cpu" and x.dtype == self.dtype and len(md) == 1
+                and isinstance(md[0], PagedAttentionMetadata) and x.shape[0] <= self.max_rows
+                and not tracing.tracer.layer_detail):
+            return False
+        m = md[0]
+        row = m.num_decodes
+        for span in m.prefills:
+            if span.query_start != row:
+                return False
+            row = span.query_end
+        return row == x.shape[0] and (not m.prefills or prefill_rows_for(x, self.k_cache))
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, md: PagedAttentionMetadata):
-        """x [B, hidden] (the embeddings) -> (x, residual) after the last layer."""
+        """x [T, hidden] (the embeddings) -> (x, residual) after the last layer."""
         x = x.contiguous()
         residual = torch.empty_like(x)
         pos = positions.to(torch.int64).contiguous()
         slots = md.slot_mapping.to(torch.int64).contiguous()
-        tables = md.decode_block_tables.to(torch.int64).contiguous()
-        lens = md.decode_context_lens.to(torch.int32).contiguous()
+        if md.num_decodes:
+            tables = md.decode_block_tables.to(torch.int64).contiguous()
+            lens = md.decode_context_lens.to(torch.int32).contiguous()
+        else:
+            tables, lens = torch.zeros(0, 1, dtype=torch.int64), torch.zeros(0, dtype=torch.int32)
+        ids = [span.block_ids.to(torch.int64).contiguous() for span in md.prefills]  # alive for the call
+        for span, b in zip(md.prefills, ids):
+            if b.numel() * self.block_size < span.num_computed + span.query_end - span.query_start:
+                raise ValueError("paged prefill: block_ids do not cover the chunk")
+        spans = torch.tensor([[span.query_start, span.query_end - span.query_start, span.num_computed, b.data_ptr()]
+                              for span, b in zip(md.prefills, ids)], dtype=torch.int64).reshape(-1, 4)
         prof = tracing.forward_profile()
         if prof:
             self.times.zero_()
-        cpu_kernels.llama_decode_layers(self.model_rec, self.layer_recs, x, residual, pos, slots, tables, lens,
+        cpu_kernels.llama_decode_layers(self.model_rec, self.layer_recs, x, residual, pos, slots, tables, lens, spans,
                                         self.eps, self.scale, self.times if prof else None)
         self.steps += 1
+        self.mixed_steps += bool(md.num_decodes and md.prefills)
         if prof:
             for step, seconds in zip(PIECE_STEPS, self.times.tolist()):
                 prof.add(step, seconds)

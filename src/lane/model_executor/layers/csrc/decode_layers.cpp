@@ -1,10 +1,13 @@
-// The Llama family's decoder layers for a step of decode rows (one token each), all layers
-// in one call: the module path pays Python's dispatch for some 20 small ops a layer, which at
-// batch 1 costs as much as the layer's arithmetic. The same kernels run, in the same order:
+// The Llama family's decoder layers for a step of decode rows (one token each) and prefill
+// chunks, all layers in one call: the module path pays Python's dispatch for some 20 small ops a
+// layer, which at batch 1 costs as much as the layer's arithmetic, and a chunk's copies besides.
+// The same kernels run, in the same order:
 //   x, residual = rmsnorm(x + residual); qkv = x Wqkv; rope(q, k); k, v -> cache slots;
 //   a = paged attention(q); x = a Wo; x, residual = rmsnorm(x + residual);
 //   x = (silu(x Wg) * x Wu) Wd
-// Layer 0 takes the embeddings with no residual yet (residual = x, then x = rmsnorm(x)).
+// Layer 0 takes the embeddings with no residual yet (residual = x, then x = rmsnorm(x)). A
+// chunk's rows are attended as the module path attends them on its batch-invariant prefill: each
+// row as a decode row at its position, on the one block table of its request.
 // cpu_kernels.py / llama_decode.py build the plan: int64 records of pointers and sizes.
 #include "common.h"
 
@@ -102,53 +105,67 @@ struct Clock {
 
 }  // namespace
 
-// x [B, hidden]: layer 0's input (the embeddings), then each layer's output, in place;
-// residual [B, hidden] (written by layer 0). positions, slots [B] int64; block_tables [B, MB]
-// int64; context_lens [B] int32 (this token counted). times: null, or kPieces doubles.
+// x [T, hidden]: layer 0's input (the embeddings), then each layer's output, in place;
+// residual [T, hidden] (written by layer 0). positions, slots [T] int64. Rows [0, B) are
+// decodes: block_tables [B, MB] int64, context_lens [B] int32 (this token counted). Rows [B, T)
+// are prefill chunks: spans [S][4] int64 (first row, rows, tokens already cached, a pointer to
+// the request's block ids, int64), in row order. times: null, or kPieces doubles.
 extern "C" void lane_llama_decode_layers(const int64_t* model, const int64_t* layers, void* x, void* residual,
                                          int dtype, const int64_t* positions, const int64_t* slots,
                                          const int64_t* block_tables, const int32_t* context_lens, int64_t B,
-                                         int64_t MB, float eps, float scale, double* times, int threads) {
+                                         int64_t MB, const int64_t* spans, int64_t S, int64_t T, float eps,
+                                         float scale, double* times, int threads) {
   ModelRec m;
   std::memcpy(&m, model, sizeof(m));
   const int64_t es = dtype == kF32 ? 4 : 2, H = m.heads, KVH = m.kv_heads, D = m.head_dim;
   const int64_t q_size = H * D, kv_size = KVH * D, qkv_size = q_size + 2 * kv_size;
-  char* qkv = scratch<char, 10>(B * qkv_size * es);
-  char* q = scratch<char, 11>(B * q_size * es);
-  char* attn = scratch<char, 12>(B * q_size * es);
-  char* gate_up = scratch<char, 13>(B * 2 * m.inter * es);
-  char* act = scratch<char, 14>(B * m.inter * es);
+  char* qkv = scratch<char, 10>(T * qkv_size * es);
+  char* q = scratch<char, 11>(T * q_size * es);
+  char* attn = scratch<char, 12>(T * q_size * es);
+  char* gate_up = scratch<char, 13>(T * 2 * m.inter * es);
+  char* act = scratch<char, 14>(T * m.inter * es);
+  // each chunk row's context length: its position in the request, plus one
+  int32_t* span_lens = scratch<int32_t, 16>(T - B + 1);
+  for (int64_t s = 0, r = 0; s < S; ++s)
+    for (int64_t i = 0; i < spans[4 * s + 1]; ++i, ++r) span_lens[r] = static_cast<int32_t>(spans[4 * s + 2] + i + 1);
   Clock clock(times);
   for (int64_t i = 0; i < m.layers; ++i) {
     LayerRec l;
     std::memcpy(&l, layers + i * (sizeof(LayerRec) / sizeof(int64_t)), sizeof(l));
     if (i == 0) {
-      std::memcpy(residual, x, B * m.hidden * es);
-      lane_rms_norm_(x, nullptr, ptr<const void>(l.in_norm), dtype, B, m.hidden, eps, threads);
+      std::memcpy(residual, x, T * m.hidden * es);
+      lane_rms_norm_(x, nullptr, ptr<const void>(l.in_norm), dtype, T, m.hidden, eps, threads);
     } else {
-      lane_rms_norm_(x, residual, ptr<const void>(l.in_norm), dtype, B, m.hidden, eps, threads);
+      lane_rms_norm_(x, residual, ptr<const void>(l.in_norm), dtype, T, m.hidden, eps, threads);
     }
     clock.mark(kInputNorm);
-    linear(l.qkv, x, dtype, qkv, B, threads);
-    lane_rotary_(qkv, dtype, B, qkv_size, H, D, positions, ptr<const float>(m.cos), ptr<const float>(m.sin),
+    linear(l.qkv, x, dtype, qkv, T, threads);
+    lane_rotary_(qkv, dtype, T, qkv_size, H, D, positions, ptr<const float>(m.cos), ptr<const float>(m.sin),
                  m.rotary_dim, threads);
-    lane_rotary_(qkv + q_size * es, dtype, B, qkv_size, KVH, D, positions, ptr<const float>(m.cos),
+    lane_rotary_(qkv + q_size * es, dtype, T, qkv_size, KVH, D, positions, ptr<const float>(m.cos),
                  ptr<const float>(m.sin), m.rotary_dim, threads);
     clock.mark(kQkv);
     lane_cache_write(qkv + q_size * es, qkv + (q_size + kv_size) * es, qkv_size, qkv_size, ptr<void>(l.k_cache),
-                     ptr<void>(l.v_cache), slots, dtype, B, KVH, D, m.block_size);
+                     ptr<void>(l.v_cache), slots, dtype, T, KVH, D, m.block_size);
     clock.mark(kKvWrite);
-    for (int64_t b = 0; b < B; ++b) std::memcpy(q + b * q_size * es, qkv + b * qkv_size * es, q_size * es);
-    lane_paged_decode_attention(q, ptr<const void>(l.k_cache), ptr<const void>(l.v_cache), dtype, block_tables,
-                                context_lens, attn, B, H, KVH, D, m.block_size, MB, scale, threads);
+    for (int64_t t = 0; t < T; ++t) std::memcpy(q + t * q_size * es, qkv + t * qkv_size * es, q_size * es);
+    if (B > 0)
+      lane_paged_decode_attention(q, ptr<const void>(l.k_cache), ptr<const void>(l.v_cache), dtype, block_tables,
+                                  context_lens, attn, B, H, KVH, D, m.block_size, MB, scale, threads);
+    for (int64_t s = 0, r = 0; s < S; r += spans[4 * s + 1], ++s) {
+      const int64_t row = spans[4 * s];
+      lane_paged_decode_attention(q + row * q_size * es, ptr<const void>(l.k_cache), ptr<const void>(l.v_cache),
+                                  dtype, ptr<const int64_t>(spans[4 * s + 3]), span_lens + r, attn + row * q_size * es,
+                                  spans[4 * s + 1], H, KVH, D, m.block_size, 0, scale, threads);
+    }
     clock.mark(kAttention);
-    linear(l.o, attn, dtype, x, B, threads);
+    linear(l.o, attn, dtype, x, T, threads);
     clock.mark(kOProj);
-    lane_rms_norm_(x, residual, ptr<const void>(l.post_norm), dtype, B, m.hidden, eps, threads);
+    lane_rms_norm_(x, residual, ptr<const void>(l.post_norm), dtype, T, m.hidden, eps, threads);
     clock.mark(kInputNorm);
-    linear(l.gate_up, x, dtype, gate_up, B, threads);
-    lane_silu_and_mul(gate_up, act, dtype, B, m.inter, threads);
-    linear(l.down, act, dtype, x, B, threads);
+    linear(l.gate_up, x, dtype, gate_up, T, threads);
+    lane_silu_and_mul(gate_up, act, dtype, T, m.inter, threads);
+    linear(l.down, act, dtype, x, T, threads);
     clock.mark(kFfn);
   }
 }

@@ -21,7 +21,8 @@ void lane_paged_decode_attention_q8(const void*, const void*, const void*, const
 void lane_cache_write_q8(const void*, const void*, int64_t, int64_t, void*, void*, float*, float*, const int64_t*, int,
                          int, int64_t, int64_t, int64_t, int64_t);
 void lane_llama_decode_layers(const int64_t*, const int64_t*, void*, void*, int, const int64_t*, const int64_t*,
-                              const int64_t*, const int32_t*, int64_t, int64_t, float, float, double*, int);
+                              const int64_t*, const int32_t*, int64_t, int64_t, const int64_t*, int64_t, int64_t,
+                              float, float, double*, int);
 void lane_small_m_linear(const void*, int, const void*, int, const void*, void*, int64_t, int64_t,
                          int64_t, int);
 void lane_rms_norm_(void*, void*, const void*, int, int64_t, int64_t, float, int);
