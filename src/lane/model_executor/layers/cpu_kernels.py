@@ -284,13 +284,18 @@ def cache_write_8bit(k, v, k_cache, v_cache, k_scale, v_scale, slot_mapping, fp8
                              _DTYPE_CODES[k.dtype], int(fp8), T, KVH, D, k_cache.shape[2])
 
 
+def check_chunk_blocks(block_ids: torch.Tensor, block_size: int, num_computed: int, rows: int) -> None:
+    """A ValueError unless a chunk's block ids hold its cached tokens and its own rows."""
+    if block_ids.numel() * block_size < num_computed + rows:
+        raise ValueError("paged prefill: block_ids do not cover the chunk")
+
+
 def prefill_rows_attention(q, k_cache, v_cache, block_ids, num_computed, scale):
     """One request's chunk (q [n, H, D] at positions num_computed ..), each row attended
     exactly as decode_attention attends a decode row at that position (the batch-invariant
     prefill: a row's result does not depend on the chunk it came in)."""
     n = q.shape[0]
-    if block_ids.numel() * k_cache.shape[2] < num_computed + n:
-        raise ValueError("paged prefill: block_ids do not cover the chunk")
+    check_chunk_blocks(block_ids, k_cache.shape[2], num_computed, n)
     lens = torch.arange(num_computed + 1, num_computed + n + 1, dtype=torch.int32)
     return decode_attention(q, k_cache, v_cache, block_ids.reshape(-1), lens, scale)
 

@@ -169,8 +169,7 @@ class FusedDecode:
             tables, lens = torch.zeros(0, 1, dtype=torch.int64), torch.zeros(0, dtype=torch.int32)
         ids = [span.block_ids.to(torch.int64).contiguous() for span in md.prefills]  # alive for the call
         for span, b in zip(md.prefills, ids):
-            if b.numel() * self.block_size < span.num_computed + span.query_end - span.query_start:
-                raise ValueError("paged prefill: block_ids do not cover the chunk")
+            cpu_kernels.check_chunk_blocks(b, self.block_size, span.num_computed, span.query_end - span.query_start)
         spans = torch.tensor([[span.query_start, span.query_end - span.query_start, span.num_computed, b.data_ptr()]
                               for span, b in zip(md.prefills, ids)], dtype=torch.int64).reshape(-1, 4)
         prof = tracing.forward_profile()

@@ -363,28 +363,6 @@ inline __m512 exp512(__m512 x) {
   const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
-
-// v[0..15] -> one vector whose lane t folds v[t]'s 16 lanes by op (add, max) in a fixed tree: pairs
-// within 128-bit lanes, then across them; ~3 instructions a vector, where a reduce is ~8
-template <typename Op>
-inline __m512 transpose_fold16(const __m512* v, Op op) {
-  __m512 a[8], b[4];
-  for (int i = 0; i < 8; ++i) a[i] = op(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {
-    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
-    b[i] = op(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-  }
-  // b[i]'s 128-bit lane L holds the lane-L folds of v[4i .. 4i + 3]
-  const __m512 d0 = op(_mm512_shuffle_f32x4(b[0], b[1], 0x88), _mm512_shuffle_f32x4(b[0], b[1], 0xdd));
-  const __m512 d1 = op(_mm512_shuffle_f32x4(b[2], b[3], 0x88), _mm512_shuffle_f32x4(b[2], b[3], 0xdd));
-  return op(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xdd));
-}
-inline __m512 transpose_sum16(const __m512* v) {
-  return transpose_fold16(v, [](__m512 x, __m512 y) { return _mm512_add_ps(x, y); });
-}
-inline __m512 transpose_max16(const __m512* v) {
-  return transpose_fold16(v, [](__m512 x, __m512 y) { return _mm512_max_ps(x, y); });
-}
 #endif
 
 // p rounded up to a 64-byte boundary (tile rows across two cache lines load or store at half

@@ -84,16 +84,16 @@ void step_blocks(const uint16_t* kc, const uint16_t* vc, const int64_t* table, i
   }
 }
 
-// One tile's rows: their context lengths, where their queries are and where their outputs go,
-// their softmax state and accumulators, and their queries as B tiles ([D / 32], each 16 dim
-// pairs x 16 lanes), so that a cache block is an A tile as it lies and S comes out keys x lanes
+// One tile's rows: their context lengths (lanes past n: 0, no key), where their queries are and
+// where their outputs go, their softmax state and accumulators, and their queries as B tiles
+// ([D / 32], each 16 dim pairs x 16 lanes), so that a cache block is an A tile as it lies and S
+// comes out keys x lanes
 template <int64_t D>
 struct Lanes {
   int64_t n = 0;
-  int64_t len[kLanes];
+  alignas(64) int32_t lens[kLanes];
   const uint16_t* q[kLanes];
   uint16_t* out[kLanes];
-  alignas(64) int32_t lens[kLanes];
   alignas(64) float m[kLanes], l[kLanes];
   alignas(64) float acc[kLanes * D];
   alignas(64) uint32_t qb[D / 32 * kTile];
@@ -106,12 +106,12 @@ struct Lanes {
       transpose16(v);  // row p: dims 32 c + 2p, 2p + 1 of every lane
       for (int p = 0; p < 16; ++p) _mm512_store_si512(qb + c * kTile + 16 * p, _mm512_castps_si512(v[p]));
     }
-    for (int64_t r = 0; r < kLanes; ++r) lens[r] = r < n ? static_cast<int32_t>(len[r]) : 0;
+    std::fill(lens + n, lens + kLanes, 0);
     std::fill(m, m + kLanes, -INFINITY);
     std::fill(l, l + kLanes, 0.f);
     std::fill(acc, acc + kLanes * D, 0.f);
   }
-  int64_t steps() const { return (*std::max_element(len, len + n) + kKeys - 1) / kKeys; }
+  int64_t steps() const { return (*std::max_element(lens, lens + n) + kKeys - 1) / kKeys; }
   void finish() {
     for (int64_t r = 0; r < n; ++r) {
       const __m512 inv = _mm512_set1_ps(1.f / l[r]);
@@ -210,7 +210,7 @@ void attend(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int
         const int64_t b = k / KVH, h = k % KVH;
         ln.n = G;
         for (int64_t g = 0; g < G; ++g) {
-          ln.len[g] = lens[b];
+          ln.lens[g] = lens[b];
           ln.q[g] = q + (b * H + h * G + g) * D;
           ln.out[g] = out + (b * H + h * G + g) * D;
         }
@@ -244,7 +244,7 @@ void attend(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int
       ln.n = std::min(R, B - b0) * G;
       for (int64_t r = 0; r < ln.n; ++r) {
         const int64_t b = b0 + r / G, head = h * G + r % G;
-        ln.len[r] = lens[b];
+        ln.lens[r] = lens[b];
         ln.q[r] = q + (b * H + head) * D;
         ln.out[r] = out + (b * H + head) * D;
       }
