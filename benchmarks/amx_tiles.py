@@ -5,9 +5,13 @@
   from `lane_x8_amx`'s threshold);
 - bf16 (AMX-BF16): the dense bf16 tiles (every M under `--quantization none` in bf16) against
   lane's FMA kernel (what the tiles replace) and torch's F.linear (oneDNN's bf16 AMX GEMM, the
-  peer: vLLM's CPU build runs it, shape-dependent and so not batch-invariant).
+  peer: vLLM's CPU build runs it, shape-dependent and so not batch-invariant);
+- x8bf16 (AMX-BF16): bf16 rows on x8 Q4_0 / Q4_1 blocks as the default runs them, on bf16 tiles
+  after dequantizing each unit of weight rows, against the int8 kernels that ran them before
+  (pair kernel, int8 tiles from their threshold) and the dense tiles on the weight already in
+  bf16 (`--quantization none`: what the dequantization costs).
 
-    python benchmarks/amx_tiles.py [--sections x8,bf16] [--kinds Q4_0,Q4_1,Q8_0,Q4_K,Q5_K]
+    python benchmarks/amx_tiles.py [--sections x8,bf16,x8bf16] [--kinds Q4_0,Q4_1,Q8_0,Q4_K,Q5_K]
                                    [--rows 1,8,16,32,64,128,512]
 
 Needs a CPU with AMX (Sapphire Rapids or later). The last line is a JSON object: per section,
@@ -62,6 +66,32 @@ def bf16_section(rows: str, g: torch.Generator, out: dict) -> None:
         cpu_kernels.bf16_amx(True)
 
 
+def x8bf16_section(rows: str, g: torch.Generator, out: dict) -> None:
+    from test_quant_linear import random_blocks
+
+    from lane.model_executor.layers import cpu_kernels
+    try:
+        for kind in ("Q4_0", "Q4_1"):
+            for N, K in ((1536, 576), (576, 1536)):
+                packed = cpu_kernels.repack_x8(random_blocks(kind, N, K, g), kind, N)
+                w = cpu_kernels.dequant_x8(packed, kind, N, K, torch.bfloat16)
+                cells = []
+                for M in map(int, rows.split(",")):
+                    x = torch.randn(M, K, generator=g).to(torch.bfloat16)
+                    run = lambda: cpu_kernels.quant_linear(x, packed, kind, N, x8=True)  # noqa: E731
+                    cpu_kernels.x8_bf16_amx(True)
+                    tiles = best_us(run)
+                    cpu_kernels.x8_bf16_amx(False)
+                    int8 = best_us(run)
+                    dense = best_us(lambda: cpu_kernels.small_m_linear(x, w, None))
+                    out[f"x8bf16 {kind} {K}->{N} M={M} int8/tiles"] = round(int8 / tiles, 2)
+                    out[f"x8bf16 {kind} {K}->{N} M={M} dense/tiles"] = round(dense / tiles, 2)
+                    cells.append(f"M={M} {tiles:5.0f} us (int8 {int8 / tiles:4.2f}x, dense {dense / tiles:4.2f}x)")
+                print(f"{kind:5s} {K:4d}->{N:4d}  bf16 tiles: " + "  ".join(cells), flush=True)
+    finally:
+        cpu_kernels.x8_bf16_amx(True)
+
+
 def main() -> None:
     from test_kquant import random_blocks as kquant_blocks
     from test_quant_linear import random_blocks
@@ -69,7 +99,7 @@ def main() -> None:
     from lane.model_executor.layers import cpu_kernels
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sections", default="x8,bf16")
+    ap.add_argument("--sections", default="x8,bf16,x8bf16")
     ap.add_argument("--kinds", default="Q4_0,Q4_1,Q8_0,Q4_K,Q5_K")  # (Q6_K stays on the pair kernel)
     ap.add_argument("--rows", default="1,8,16,32,64,128,512")
     args = ap.parse_args()
@@ -83,10 +113,14 @@ def main() -> None:
     out: dict = {"amx_min_rows": threshold}
     if "bf16" in sections and cpu_kernels.bf16_amx():
         bf16_section(args.rows, g, out)
+    if "x8bf16" in sections and cpu_kernels.x8_bf16_amx():
+        x8bf16_section(args.rows, g, out)
     if "x8" not in sections or not usable:
         print(json.dumps(out))
         return
+    bf16_tiles = cpu_kernels.x8_bf16_amx()
     try:
+        cpu_kernels.x8_bf16_amx(False)  # (the int8 kernels for bf16 rows too)
         for kind in args.kinds.split(","):
             # SmolLM2's widths; 768 for the K-quants, whose rows are whole super-blocks of 256
             width = 768 if kind in cpu_kernels.K_KINDS else 576
@@ -107,6 +141,7 @@ def main() -> None:
                 print(f"{kind:5s} {K:4d}->{N:4d}  pair/tiles: " + "  ".join(cells), flush=True)
     finally:
         cpu_kernels.x8_amx(True, threshold)
+        cpu_kernels.x8_bf16_amx(bf16_tiles)
     print(json.dumps(out))
 
 

@@ -91,6 +91,8 @@ def check_kernels(shapes=((37, 96), (64, 576))) -> dict:
                 for dt in (torch.bfloat16, torch.float16):
                     xh = x.to(dt)
                     for w, packed in ((blocks, False), (x8, True)) if x8 is not None else ((blocks, False),):
+                        if packed and dt == torch.bfloat16 and x8_bf16_here(kind):
+                            continue  # (bf16 tiles on the dequantized weight: test_x8_bf16_tiles_...)
                         y = cpu_kernels.quant_linear(xh, w, kind, N, x8=packed)
                         ref = cpu_kernels.quant_linear(xh.float(), w, kind, N, x8=packed).to(dt)
                         assert y.dtype == dt
@@ -101,6 +103,11 @@ def check_kernels(shapes=((37, 96), (64, 576))) -> dict:
                             tol = torch.finfo(dt).eps * r32.abs() + 1e-6 * r32.abs().max()  # (cancellation)
                             assert ((y.float() - r32).abs() <= tol).all(), (kind, N, K, M, dt, packed)
     return {"isa": cpu_kernels.isa(), "worst": worst}
+
+
+def x8_bf16_here(kind: str) -> bool:
+    """Whether bf16 rows on x8 blocks of this kind take the dequantizing AMX-BF16 tiles here."""
+    return kind in ("Q4_0", "Q4_1") and cpu_kernels.x8_bf16_amx()
 
 
 def test_kernels_on_this_path():
@@ -133,7 +140,9 @@ def test_x8_amx_tiles_equal_the_pair_kernel():
     g = torch.Generator().manual_seed(3)
     rng = np.random.default_rng(3)
     _, min_rows = cpu_kernels.x8_amx()
+    bf16_tiles = cpu_kernels.x8_bf16_amx()
     try:
+        cpu_kernels.x8_bf16_amx(False)  # (bf16 rows too: the int8 kernels, both ways)
         cpu_kernels.x8_amx(min_rows=1)
         for kind in set(cpu_kernels.x8_kinds()) - {"Q6_K"}:  # (Q6_K stays on the pair kernel)
             # (an odd count of 32-value blocks too: the activation tiles go two blocks at a time)
@@ -152,6 +161,41 @@ def test_x8_amx_tiles_equal_the_pair_kernel():
                         assert torch.equal(tiles, pairs), (kind, N, K, M, dtype)
     finally:
         cpu_kernels.x8_amx(True, min_rows)
+        cpu_kernels.x8_bf16_amx(bf16_tiles)
+
+
+def test_x8_bf16_tiles_are_the_dense_tiles_on_the_dequantized_weight():
+    """Where the CPU has AMX-BF16, bf16 rows on x8 Q4_0 / Q4_1 blocks run on bf16 tiles, each unit
+    of weight rows dequantized per call: every output equals, bit for bit, the dense bf16 tiles'
+    on the weight dequantized to bf16 (d q + m in fp32, rounded once) with the same bias, for one
+    row, a tile, a tile and one, and many (both unit shapes, the K chunks and the full strip); a
+    row alone equals the same row in any batch; N not a multiple of 16 (a unit's last tile half
+    empty) stays within bf16 rounding of fp32; the int8 kernels still run fp32 rows."""
+    assert cpu_kernels.build()
+    if not cpu_kernels.x8_bf16_amx():
+        pytest.skip("no AMX-BF16 here (or LANE_CPU_AMX=0 / LANE_CPU_X8_BF16=0): the int8 kernels run bf16 rows")
+    g = torch.Generator().manual_seed(5)
+    for kind in ("Q4_0", "Q4_1"):
+        # (units of 48 and 32 rows with tails; K of 3, 18 and 48 steps: one chunk, a partial last, several)
+        for N, K in ((96, 96), (160, 576), (48, 1536), (40, 512), (24, 256)):
+            blocks = random_blocks(kind, N, K, g)
+            packed = cpu_kernels.repack_x8(blocks, kind, N)
+            w = cpu_kernels.dequant_x8(packed, kind, N, K, torch.float32).to(torch.bfloat16)
+            bias = torch.randn(N, generator=g).to(torch.bfloat16)
+            x = (torch.randn(130, K, generator=g) * 2).to(torch.bfloat16)
+            y = cpu_kernels.quant_linear(x, packed, kind, N, bias.float(), x8=True)
+            assert y.dtype == torch.bfloat16
+            if N % 16 == 0:
+                assert torch.equal(y, cpu_kernels.small_m_linear(x, w, bias)), (kind, N, K)
+            ref = x.float() @ w.float().T + bias.float()
+            torch.testing.assert_close(y.float(), ref, atol=0.05, rtol=1e-2)
+            for M in (1, 15, 16, 17, 33):
+                assert torch.equal(cpu_kernels.quant_linear(x[:M], packed, kind, N, bias.float(), x8=True), y[:M])
+                assert torch.equal(cpu_kernels.quant_linear(x[M:M + 1], packed, kind, N, bias.float(), x8=True),
+                                   y[M:M + 1]), (kind, N, K, M)
+            # fp32 rows: the int8 kernel's 8-bit activations, not these tiles
+            yf = cpu_kernels.quant_linear(x[:3].float(), packed, kind, N, bias.float(), x8=True)
+            assert not torch.equal(yf.to(torch.bfloat16), y[:3])
 
 
 def test_smollm_quantized_memory_and_perplexity(smollm_gguf):

@@ -494,6 +494,15 @@ def bf16_amx(enable: bool | None = None) -> bool:
     return _amx_switch("lane_bf16_amx", enable)
 
 
+def x8_bf16_amx(enable: bool | None = None) -> bool:
+    """Whether bf16 rows on x8-layout Q4_0 / Q4_1 weights run on AMX-BF16 tiles here, each 32
+    weight rows dequantized to bf16 per call, for every M (the CPU has AMX-BF16 and VBMI; off
+    with LANE_CPU_AMX=0). With ``enable``, set it first: tests and benchmarks only, as the int8
+    kernels that run those rows otherwise sum differently, and a switch mid-run breaks batch
+    invariance."""
+    return _amx_switch("lane_x8_bf16_amx", enable)
+
+
 def attention_amx(enable: bool | None = None) -> bool:
     """Whether paged attention over a bf16 cache (decode rows and the batch-invariant prefill's
     rows alike) runs on AMX-BF16 tiles here: the CPU has AMX-BF16 and the model's shape takes

@@ -1,15 +1,23 @@
-// Dense bf16 linear layers on AMX-BF16 tiles, for every row count (`--quantization none` in
-// bf16, and bf16 safetensors checkpoints, on Sapphire Rapids and later). Batch invariance wants
-// one reduction order per output, whatever M is; a tile multiply's sums cannot be reproduced
-// by FMAs, so here every M takes the tiles, one row as much as a prefill of 512: each output is
-// its own chain of multiplies over K, 32 values at a time in order, whichever tile and column
-// its row lands in. The weights stay as they are ([N, K], read as A tiles of 16 rows x 32
-// values with the row stride); the input rows are packed once a call into B tiles (pairs of
-// values x 16 rows). Unlike the int8 tiles (quant_x8_amx.inc), no scale interrupts a sum, so a
-// C tile accumulates over all of K and is stored once.
+// Linear layers on AMX-BF16 tiles, for every row count, on Sapphire Rapids and later: dense bf16
+// weights (`--quantization none` in bf16, bf16 safetensors checkpoints), and GGUF Q4_0 / Q4_1
+// weights in the x8 layout with bf16 rows (the default `--quantization auto` in bf16), whose
+// blocks are dequantized to bf16 a unit of rows at a time on the way to the same tiles. Batch
+// invariance wants one reduction order per output, whatever M is; a tile multiply's sums cannot
+// be reproduced by FMAs, so here every M takes the tiles, one row as much as a prefill of 512:
+// each output is its own chain of multiplies over K, 32 values at a time in order, whichever
+// tile and column its row lands in. Dense weights stay as they are ([N, K], read as A tiles of
+// 16 rows x 32 values with the row stride); the input rows are packed once a call into B tiles
+// (pairs of values x 16 rows). Unlike the int8 tiles (quant_x8_amx.inc), no scale interrupts a
+// sum, so a C tile accumulates over all of K and is stored once: for GGUF blocks from 16-32 rows
+// up that beats the int8 tiles, whose per-block scales cost a tile store and its scaling per 32
+// values (Sapphire Rapids, SmolLM2: a 512-token prefill 1.8x faster), at the price of one
+// dequantization per weight and call, which at one row costs more than the int8 kernel's whole
+// product (a 1-row decode step 0.6x).
 #include "common.h"
 
+#include <algorithm>
 #include <atomic>
+#include <cstring>
 
 #include "amx.h"
 
@@ -25,6 +33,19 @@ inline bool bf16_amx_usable() {
   // (AMX-BF16 CPUs have AVX512-BF16, the output's rounding, too)
   static const bool usable = use_avx512bf16() && cpu_has_amx(22);
   return usable && bf16_amx_enabled.load(std::memory_order_relaxed);
+}
+
+// bf16 rows on x8 Q4_0 / Q4_1 weights: the dequantizing tiles (quant_units) unless
+// LANE_CPU_X8_BF16=0 (the int8 kernels then, as on CPUs without AMX) or switched off in this
+// process (lane_x8_bf16_amx(0): tests and benchmarks)
+std::atomic<int> x8_bf16_enabled{1};
+inline bool x8_bf16_usable() {  // (the strips' gather is AVX512-VBMI, which every AMX CPU has)
+  static const bool usable = [] {
+    __builtin_cpu_init();
+    const char* env = std::getenv("LANE_CPU_X8_BF16");
+    return __builtin_cpu_supports("avx512vbmi") != 0 && !(env && env[0] == '0');
+  }();
+  return usable && bf16_amx_usable() && x8_bf16_enabled.load(std::memory_order_relaxed);
 }
 
 constexpr int kRows = 16;   // a tile's rows: weight rows (A), input rows (B's columns)
@@ -51,68 +72,214 @@ void pack_rows(const bf16* x, uint32_t* xb, int64_t M, int64_t K, int threads) {
 }
 
 // 16 x 16 sums c[n][m] (weight row n, input row m) + bias[n] -> y[m * ld + n] in bf16 for the
-// first `rows` m
-inline void store_transposed(const float* c, const __m512 bias, bf16* y, int64_t ld, int rows) {
+// first `rows` m and `cols` n
+inline void store_transposed(const float* c, const __m512 bias, bf16* y, int64_t ld, int rows, int cols) {
   __m512 v[16];
   for (int n = 0; n < 16; ++n) v[n] = _mm512_load_ps(c + 16 * n);
   transpose16(v);
-  for (int m = 0; m < rows; ++m) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + m * ld), round_bf16(_mm512_add_ps(v[m], bias)));
+  const __mmask16 keep = static_cast<__mmask16>((1u << cols) - 1);
+  for (int m = 0; m < rows; ++m) _mm256_mask_storeu_epi16(y + m * ld, keep, round_bf16(_mm512_add_ps(v[m], bias)));
+}
+
+// Weight rows per unit: with one input tile (M <= 16) three weight tiles, whose chains over K
+// keep the tile unit busy (a multiply waits on the one before it into the same C tile: two
+// chains left it idle half the time at one row); with more, two weight tiles x two input tiles.
+// A unit's size never changes an output's chain, only which run beside it.
+inline int unit_rows(int64_t M) { return M <= kRows ? 3 * kRows : 2 * kRows; }
+
+// A unit's weight rows as the tiles read them: rows(s0, s1) gives steps [s0, s1) of every row (row
+// r's step s at p + r * stride / 2 + (s - s0) * 32) and its row stride in bytes
+struct DenseRows {  // the weight itself
+  const bf16* w;
+  int64_t K;
+  const bf16* rows(int64_t s0, int64_t, int64_t* stride) const {
+    *stride = K * 2;
+    return w + s0 * kStep;
+  }
+};
+
+// Weight rows [0, cols) of a unit (cols <= unit_rows(M)) against every input row: each output
+// one chain of tile multiplies over all of K, in order, + bias (fp32, cols values) -> y columns
+// [0, cols) of each row (row stride N). Where one pass of C tiles covers every input row (M <=
+// 32), the weights are asked for kChunk steps at a time, so a dequantized chunk is read back from
+// L1; otherwise for all of K at once, reused by every pass.
+constexpr int64_t kChunk = 8;
+template <typename Rows>
+void unit_tiles(const Rows& src, const uint32_t* xb, const float* bias, bf16* y, int64_t M, int64_t N, int64_t K,
+                int cols) {
+  const int64_t steps = K / kStep, tiles = (M + kRows - 1) / kRows;
+  const int nt = (cols + kRows - 1) / kRows;
+  alignas(64) float c[4][kRows * kRows];
+  __m512 bv[3];
+  for (int h = 0; h < nt; ++h)
+    bv[h] = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << std::min(kRows, cols - h * kRows)) - 1), bias + h * kRows);
+  const auto out = [&](int h, const float* ch, int64_t m0) {
+    const int rows = M - m0 < kRows ? static_cast<int>(M - m0) : kRows;
+    store_transposed(ch, bv[h], y + m0 * N + h * kRows, N, rows, std::min(kRows, cols - h * kRows));
+  };
+  const int64_t chunk = tiles <= 2 ? kChunk : steps;
+  int64_t stride = 0;
+  const bf16* w = nullptr;
+  if (tiles == 1) {
+    LANE_TILE_ZERO(0);
+    LANE_TILE_ZERO(1);
+    LANE_TILE_ZERO(2);
+    for (int64_t s = 0; s < steps; ++s) {
+      if (s % chunk == 0) w = src.rows(s, std::min(s + chunk, steps), &stride) - s * kStep;
+      const int64_t ws = stride / 2;
+      LANE_TILE_LOAD(6, xb + s * kTileU32, 64);
+      LANE_TILE_LOAD(4, w + s * kStep, stride);
+      LANE_TILE_DPBF16PS(0, 4, 6);
+      if (nt > 1) {
+        LANE_TILE_LOAD(5, w + kRows * ws + s * kStep, stride);
+        LANE_TILE_DPBF16PS(1, 5, 6);
+      }
+      if (nt > 2) {
+        LANE_TILE_LOAD(7, w + 2 * kRows * ws + s * kStep, stride);
+        LANE_TILE_DPBF16PS(2, 7, 6);
+      }
+    }
+    LANE_TILE_STORE(0, c[0], 64);
+    if (nt > 1) LANE_TILE_STORE(1, c[1], 64);
+    if (nt > 2) LANE_TILE_STORE(2, c[2], 64);
+    for (int h = 0; h < nt; ++h) out(h, c[h], 0);
+    return;
+  }
+  const bool two = nt > 1;
+  for (int64_t t = 0; t < tiles; t += 2) {
+    const bool t2 = t + 1 < tiles;
+    const uint32_t* xa = xb + t * steps * kTileU32;
+    const uint32_t* xc = xa + steps * kTileU32;
+    LANE_TILE_ZERO(0);
+    LANE_TILE_ZERO(1);
+    LANE_TILE_ZERO(2);
+    LANE_TILE_ZERO(3);
+    for (int64_t s = 0; s < steps; ++s) {
+      if (s % chunk == 0 && (t == 0 || chunk < steps)) w = src.rows(s, std::min(s + chunk, steps), &stride) - s * kStep;
+      const bf16* wb = w + kRows * (stride / 2);
+      LANE_TILE_LOAD(4, w + s * kStep, stride);
+      LANE_TILE_LOAD(6, xa + s * kTileU32, 64);
+      LANE_TILE_DPBF16PS(0, 4, 6);
+      if (two) {
+        LANE_TILE_LOAD(5, wb + s * kStep, stride);
+        LANE_TILE_DPBF16PS(1, 5, 6);
+      }
+      if (t2) {
+        LANE_TILE_LOAD(7, xc + s * kTileU32, 64);
+        LANE_TILE_DPBF16PS(2, 4, 7);
+        if (two) LANE_TILE_DPBF16PS(3, 5, 7);
+      }
+    }
+    LANE_TILE_STORE(0, c[0], 64);
+    if (two) LANE_TILE_STORE(1, c[1], 64);
+    if (t2) LANE_TILE_STORE(2, c[2], 64);
+    if (two && t2) LANE_TILE_STORE(3, c[3], 64);
+    for (int b = 0; b < (t2 ? 2 : 1); ++b)
+      for (int h = 0; h < nt; ++h) out(h, c[2 * b + h], (t + b) * kRows);
   }
 }
 
-// Units [u0, u1) of 32 weight rows (two A tiles) against the input rows two tiles at a time
-// (two B tiles): four C tiles, each summed over all of K
+// Units [u0, u1) of unit_rows(M) dense weight rows
 void units(const bf16* w, const uint32_t* xb, const bf16* bias, bf16* y, int64_t M, int64_t N, int64_t K,
            int64_t u0, int64_t u1) {
   tile_configure_full();
-  const int64_t steps = K / kStep, tiles = (M + kRows - 1) / kRows, stride = K * 2;
-  alignas(64) float c[4][kRows * kRows];
+  const int ur = unit_rows(M);
   for (int64_t u = u0; u < u1; ++u) {
-    const int64_t n0 = 2 * kRows * u;
-    const bool two = n0 + kRows < N;  // N is a multiple of 16
-    const bf16* wa = w + n0 * K;
-    const bf16* wb = wa + kRows * K;
-    __m512 bv[2];
-    for (int h = 0; h < 2; ++h) {
-      alignas(64) float b[kRows] = {};
-      if (bias && (h == 0 || two))
-        for (int i = 0; i < kRows; ++i) b[i] = to_f(bias[n0 + h * kRows + i]);
-      bv[h] = _mm512_load_ps(b);
-    }
-    for (int64_t t = 0; t < tiles; t += 2) {
-      const bool t2 = t + 1 < tiles;
-      const uint32_t* xa = xb + t * steps * kTileU32;
-      const uint32_t* xc = xa + steps * kTileU32;
-      LANE_TILE_ZERO(0);
-      LANE_TILE_ZERO(1);
-      LANE_TILE_ZERO(2);
-      LANE_TILE_ZERO(3);
-      for (int64_t s = 0; s < steps; ++s) {
-        LANE_TILE_LOAD(4, wa + s * kStep, stride);
-        LANE_TILE_LOAD(6, xa + s * kTileU32, 64);
-        LANE_TILE_DPBF16PS(0, 4, 6);
-        if (two) {
-          LANE_TILE_LOAD(5, wb + s * kStep, stride);
-          LANE_TILE_DPBF16PS(1, 5, 6);
-        }
-        if (t2) {
-          LANE_TILE_LOAD(7, xc + s * kTileU32, 64);
-          LANE_TILE_DPBF16PS(2, 4, 7);
-          if (two) LANE_TILE_DPBF16PS(3, 5, 7);
-        }
+    const int64_t n0 = ur * u;
+    const int cols = static_cast<int>(std::min<int64_t>(ur, N - n0));
+    float b[3 * kRows] = {};
+    if (bias)
+      for (int i = 0; i < cols; ++i) b[i] = to_f(bias[n0 + i]);
+    unit_tiles(DenseRows{w + n0 * K, K}, xb, b, y + n0, M, N, K, cols);
+  }
+  tile_release();
+}
+
+// Q4_0 / Q4_1 weights in the x8 layout (common.h), dequantized 32 rows at a time into bf16 for
+// the same tiles: every weight value bf16(d q + m) (Q4_0: d (q - 8)), the fp32 value rounded
+// once, as the dense kernel would see the weight dequantized to bf16. Two rows' blocks make one
+// 32-entry table of their values (an FMA over the 16 levels each, one conversion for both),
+// looked up by the nibbles (vpermw) with bit 4 choosing the row. The nibbles come from the x8
+// group's interleaved chunks: one dword permute puts a row pair's 4-byte pieces side by side in
+// each qword, and a multishift per row moves each value's nibble to its word's low bits. About
+// 5.5 vector instructions per row and 32 values, most on the one port that permutes (Sapphire
+// Rapids: 1.3 ns; 2.5 ns as a per-row table and a byte gather and shift).
+__attribute__((target("avx512vbmi,avx512bf16"))) void dequant_strip(const uint8_t* wp, int qtype, int64_t g0,
+                                                                     int groups, int64_t nb, int64_t b0, int64_t b1,
+                                                                     bf16* dst, int64_t ld) {
+  const int64_t gb = kX8Rows * ggml_block_bytes(qtype), qo = x8_quant_offset(qtype);
+  // dword 8 c + r of the group's 128 quant bytes is chunk c of row r (its bytes 4c..4c+3: values
+  // 4c.. in the low nibbles, 16 + 4c.. in the high). Pair p's qword i: rows 2p and 2p + 1's chunk i % 4.
+  alignas(64) int32_t pairs[kX8Rows / 2][16];
+  for (int p = 0; p < kX8Rows / 2; ++p)
+    for (int i = 0; i < 8; ++i) pairs[p][2 * i] = 8 * (i % 4) + 2 * p, pairs[p][2 * i + 1] = 8 * (i % 4) + 2 * p + 1;
+  // word k (value k of the row) of qword k / 4: its nibble starts at bit 8 (k % 4) (+ 4 from value
+  // 16 on) of its row's dword (+ 32 for the pair's second row)
+  alignas(64) uint8_t shifts[2][64] = {};
+  for (int h = 0; h < 2; ++h)
+    for (int k = 0; k < 32; ++k) shifts[h][2 * k] = static_cast<uint8_t>(32 * h + 8 * (k % 4) + (k >= 16 ? 4 : 0));
+  const __m512i shift0 = _mm512_load_si512(shifts[0]), shift1 = _mm512_load_si512(shifts[1]);
+  const __m512i nibble = _mm512_set1_epi16(0x0f), second = _mm512_set1_epi16(0x10);
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 levels = qtype == kQ4_0 ? _mm512_sub_ps(iota, _mm512_set1_ps(8.f)) : iota;
+  for (int g = 0; g < groups; ++g)
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint8_t* o = wp + ((g0 + g) * nb + b) * gb;
+      // the same block of the next chunk, or of the next unit's first: short runs per group, which
+      // the hardware prefetchers do not pick up (the weights stream from L3 or DRAM each step)
+      const int64_t ahead = b + (b1 - b0) < nb ? (b1 - b0) : (b1 - b0) - nb + groups * nb;
+      for (int64_t i = 0; i < gb; i += 64) __builtin_prefetch(o + ahead * gb + i);
+      alignas(32) float d[kX8Rows], m[kX8Rows] = {};
+      _mm256_store_ps(d, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o))));
+      if (qtype == kQ4_1) _mm256_store_ps(m, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 16))));
+      // (d and m reread from memory: the FMAs take them as broadcast operands, not lanes
+      // shuffled out of a register on the permute port)
+      asm volatile("" ::: "memory");
+      const __m512i lo = _mm512_loadu_si512(o + qo), hi = _mm512_loadu_si512(o + qo + 64);
+      bf16* row = dst + g * kX8Rows * ld + (b - b0) * kStep;
+      for (int p = 0; p < kX8Rows / 2; ++p) {
+        const __m512i q = _mm512_permutex2var_epi32(lo, _mm512_load_si512(pairs[p]), hi);
+        const __m512 v0 = _mm512_fmadd_ps(levels, _mm512_set1_ps(d[2 * p]), _mm512_set1_ps(m[2 * p]));
+        const __m512 v1 = _mm512_fmadd_ps(levels, _mm512_set1_ps(d[2 * p + 1]), _mm512_set1_ps(m[2 * p + 1]));
+        const __m512i table = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(v1, v0));  // words 0-15: row 2p
+        const __m512i i0 = _mm512_and_si512(_mm512_multishift_epi64_epi8(shift0, q), nibble);
+        const __m512i i1 = _mm512_ternarylogic_epi32(_mm512_multishift_epi64_epi8(shift1, q), nibble, second, 0xEA);
+        _mm512_store_si512(row + 2 * p * ld, _mm512_permutexvar_epi16(i0, table));
+        _mm512_store_si512(row + (2 * p + 1) * ld, _mm512_permutexvar_epi16(i1, table));
       }
-      LANE_TILE_STORE(0, c[0], 64);
-      if (two) LANE_TILE_STORE(1, c[1], 64);
-      if (t2) LANE_TILE_STORE(2, c[2], 64);
-      if (two && t2) LANE_TILE_STORE(3, c[3], 64);
-      for (int b = 0; b < (t2 ? 2 : 1); ++b) {
-        const int64_t m0 = (t + b) * kRows;
-        const int rows = M - m0 < kRows ? static_cast<int>(M - m0) : kRows;
-        for (int h = 0; h < (two ? 2 : 1); ++h)
-          store_transposed(c[2 * b + h], bv[h], y + m0 * N + n0 + h * kRows, N, rows);
-      }
     }
+  // (rows past the weight's, up to the last tile's 16, are zeros)
+  for (int r = groups * kX8Rows; r % kRows; ++r) std::memset(dst + r * ld, 0, (b1 - b0) * kStep * 2);
+}
+
+// x8 rows g0 * 8 .. (g0 + groups) * 8 dequantized as the tiles ask for them, into the thread's
+// strip (rows of the asked steps only: 48 x 8 steps, 24 KiB, for one pass; 48 x K for many)
+struct QuantRows {
+  const uint8_t* w;
+  int qtype;
+  int64_t g0, K;
+  int groups;
+  bf16* strip;
+  const bf16* rows(int64_t s0, int64_t s1, int64_t* stride) const {
+    *stride = (s1 - s0) * kStep * 2;
+    dequant_strip(w, qtype, g0, groups, K / kStep, s0, s1, strip, (s1 - s0) * kStep);
+    return strip;
+  }
+};
+
+// Units [u0, u1) of unit_rows(M) x8-layout weight rows (each unit's own dequantized strip)
+void quant_units(const uint8_t* w, int qtype, const uint32_t* xb, const float* bias, bf16* y, int64_t M, int64_t N,
+                 int64_t K, int64_t u0, int64_t u1) {
+  tile_configure_full();
+  const int ur = unit_rows(M);
+  bf16* strip = align64(scratch<bf16, 1>(3 * kRows * K + 32));
+  for (int64_t u = u0; u < u1; ++u) {
+    const int64_t n0 = ur * u;
+    const int cols = static_cast<int>(std::min<int64_t>(ur, N - n0));  // N is a multiple of 8
+    float b[3 * kRows] = {};
+    if (bias)
+      for (int i = 0; i < cols; ++i) b[i] = bias[n0 + i];
+    unit_tiles(QuantRows{w, qtype, n0 / kX8Rows, K, cols / kX8Rows, strip}, xb, b, y + n0, M, N, K, cols);
   }
   tile_release();
 }
@@ -130,7 +297,7 @@ extern "C" bool lane_bf16_amx_linear(const void* x, const void* w, const void* b
   const int64_t tiles = (M + kRows - 1) / kRows;
   uint32_t* xb = align64(scratch<uint32_t, 0>(tiles * kRows * K / 2 + 16));
   pack_rows(static_cast<const bf16*>(x), xb, M, K, threads);
-  const int64_t n_units = (N + 2 * kRows - 1) / (2 * kRows);
+  const int64_t n_units = (N + unit_rows(M) - 1) / unit_rows(M);
   parallel_for(n_units, 1, threads, [&](int64_t u0, int64_t u1) {
     units(static_cast<const bf16*>(w), xb, static_cast<const bf16*>(bias), static_cast<bf16*>(y), M, N, K, u0, u1);
   });
@@ -138,6 +305,41 @@ extern "C" bool lane_bf16_amx_linear(const void* x, const void* w, const void* b
 #else
   (void)x, (void)w, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)threads;
   return false;
+#endif
+}
+
+// y [M, N] = x [M, K] . W^T (+ bias [N], fp32), x and y bf16, W Q4_0 / Q4_1 in the x8 layout
+// (N a multiple of 8), on AMX-BF16 tiles after dequantizing each 32 rows to bf16: false (nothing
+// done) where the CPU, the kind or the switch rules them out, which never depends on M. Every
+// output is the dense tiles' chain over K on the dequantized weight, so a row's result is the
+// same bits alone or in any batch.
+extern "C" bool lane_x8_bf16_amx_linear(const void* x, const uint8_t* w, int qtype, const float* bias, void* y,
+                                        int64_t M, int64_t N, int64_t K, int threads) {
+#if defined(__AVX512F__)
+  if ((qtype != kQ4_0 && qtype != kQ4_1) || !x8_bf16_usable()) return false;
+  const int64_t tiles = (M + kRows - 1) / kRows;
+  uint32_t* xb = align64(scratch<uint32_t, 0>(tiles * kRows * K / 2 + 16));
+  pack_rows(static_cast<const bf16*>(x), xb, M, K, M <= kRows ? 1 : threads);  // (one tile: not worth a fork)
+  parallel_for((N + unit_rows(M) - 1) / unit_rows(M), 1, threads, [&](int64_t u0, int64_t u1) {
+    quant_units(w, qtype, xb, bias, static_cast<bf16*>(y), M, N, K, u0, u1);
+  });
+  return true;
+#else
+  (void)x, (void)w, (void)qtype, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)threads;
+  return false;
+#endif
+}
+
+// Whether bf16 rows on x8 Q4_0 / Q4_1 weights take the dequantizing tiles here (out[0]); with
+// on >= 0, set that first (tests and benchmarks: off, the int8 kernels run those rows, with other
+// sums, so a switch mid-run breaks batch invariance)
+extern "C" void lane_x8_bf16_amx(int on, int64_t* out) {
+#if defined(__AVX512F__)
+  if (on >= 0) x8_bf16_enabled.store(on, std::memory_order_relaxed);
+  out[0] = x8_bf16_usable();
+#else
+  (void)on;
+  out[0] = 0;
 #endif
 }
 
