@@ -8,7 +8,9 @@ chunk equals the same row in a decode step, and greedy answers do not change wit
   repacked 8 rows interleaved at prepack where N and the kind allow, cpu_kernels.x8_fits: the
   K-quants on AVX-512 VNNI only): the integer kernel for every M, each row quantized to 8-bit
   blocks once per call, inside it (as llama.cpp runs prefill); the weights are never
-  dequantized per call.
+  dequantized as a whole. Where the CPU has AMX-BF16, bf16 rows on Q4_0 / Q4_1 take bf16 tiles
+  instead, for every M as well: each unit of weight rows dequantized in L1 on the way
+  (cpu_kernels.x8_bf16_amx; faster from 16 rows, slower at one or two).
 - Dense weights (``--quantization none``, safetensors checkpoints): lane's dense kernel for every
   M (cpu_kernels.small_m_linear: fp32 arithmetic, each weight row streamed once a call for
   decode, register-blocked for prefill). Big prefills pay for it against oneDNN / MKL, whose

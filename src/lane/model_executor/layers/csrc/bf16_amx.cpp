@@ -195,7 +195,7 @@ void units(const bf16* w, const uint32_t* xb, const bf16* bias, bf16* y, int64_t
   tile_release();
 }
 
-// Q4_0 / Q4_1 weights in the x8 layout (common.h), dequantized 32 rows at a time into bf16 for
+// Q4_0 / Q4_1 weights in the x8 layout (common.h), dequantized a unit of rows at a time into bf16 for
 // the same tiles: every weight value bf16(d q + m) (Q4_0: d (q - 8)), the fp32 value rounded
 // once, as the dense kernel would see the weight dequantized to bf16. Two rows' blocks make one
 // 32-entry table of their values (an FMA over the 16 levels each, one conversion for both),
