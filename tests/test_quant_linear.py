@@ -170,7 +170,8 @@ def test_x8_bf16_tiles_are_the_dense_tiles_on_the_dequantized_weight():
     on the weight dequantized to bf16 (d q + m in fp32, rounded once) with the same bias, for one
     row, a tile, a tile and one, and many (both unit shapes, the K chunks and the full strip); a
     row alone equals the same row in any batch; N not a multiple of 16 (a unit's last tile half
-    empty) stays within bf16 rounding of fp32; the int8 kernels still run fp32 rows."""
+    empty) stays within bf16 rounding of fp32; the int8 kernels still run fp32 rows, and the bf16
+    rows of a layer that asks for them (quant_linear's int8: MoE experts)."""
     assert cpu_kernels.build()
     if not cpu_kernels.x8_bf16_amx():
         pytest.skip("no AMX-BF16 here (or LANE_CPU_AMX=0 / LANE_CPU_X8_BF16=0): the int8 kernels run bf16 rows")
@@ -196,6 +197,14 @@ def test_x8_bf16_tiles_are_the_dense_tiles_on_the_dequantized_weight():
             # fp32 rows: the int8 kernel's 8-bit activations, not these tiles
             yf = cpu_kernels.quant_linear(x[:3].float(), packed, kind, N, bias.float(), x8=True)
             assert not torch.equal(yf.to(torch.bfloat16), y[:3])
+            # a layer that asks for the int8 kernels (an MoE expert's) gets them with the tiles on
+            try:
+                cpu_kernels.x8_bf16_amx(False)
+                int8 = cpu_kernels.quant_linear(x[:5], packed, kind, N, bias.float(), x8=True)
+            finally:
+                cpu_kernels.x8_bf16_amx(True)
+            assert torch.equal(cpu_kernels.quant_linear(x[:5], packed, kind, N, bias.float(), x8=True, int8=True), int8)
+            assert not torch.equal(int8, y[:5])
 
 
 def test_smollm_quantized_memory_and_perplexity(smollm_gguf):

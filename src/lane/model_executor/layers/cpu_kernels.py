@@ -570,14 +570,17 @@ def quant_x8_block_dots(qx: torch.Tensor, packed: torch.Tensor, kind: str, N: in
 
 
 def quant_linear(x: torch.Tensor, blocks: torch.Tensor, kind: str, N: int, bias: torch.Tensor | None = None,
-                 x8: bool = False) -> torch.Tensor:
+                 x8: bool = False, int8: bool = False) -> torch.Tensor:
     """x [M, K] @ W^T with W [N, K] as GGUF blocks of kind (uint8 [N, K / block values * block
     bytes]; with ``x8``, in repack_x8's layout) -> [M, N] in x's dtype. The kernel quantizes x
-    to 8-bit blocks once per call (Q8_K for the K-quants)."""
+    to 8-bit blocks once per call (Q8_K for the K-quants); bf16 rows on x8 Q4_0 / Q4_1 take the
+    dequantizing bf16 tiles where x8_bf16_amx() says so, unless ``int8`` (a layer's choice,
+    never a row count's: an MoE expert, which mostly sees a row or two)."""
     x = x.contiguous()
     M, K = x.shape
     y = torch.empty(M, N, dtype=x.dtype)
-    fn = _lib.lane_quant_x8_linear if x8 else _lib.lane_kquant_linear if kind in K_KINDS else _lib.lane_quant_linear
+    fn = (_lib.lane_quant_x8_linear_int8 if int8 else _lib.lane_quant_x8_linear) if x8 else \
+        _lib.lane_kquant_linear if kind in K_KINDS else _lib.lane_quant_linear
     dt, b = _DTYPE_CODES[x.dtype], _bias_f32(bias)
     fn(x.data_ptr(), dt, blocks.data_ptr(), GGML_KINDS[kind][0], None if b is None else b.data_ptr(),
        y.data_ptr(), dt, M, N, K, torch.get_num_threads())

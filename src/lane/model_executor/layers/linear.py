@@ -235,14 +235,15 @@ class Linear(nn.Linear):
 
 
 def ggml_linear(x: torch.Tensor, blocks: torch.Tensor, kind: str, shape: tuple[int, int],
-                bias: torch.Tensor | None = None, x8: bool = False) -> torch.Tensor:
+                bias: torch.Tensor | None = None, x8: bool = False, int8: bool = False) -> torch.Tensor:
     """x [M, K] by a weight [N, K] kept in GGUF blocks (a Linear's, or one expert's): the integer
-    kernel for few rows, else the weight dequantized into the scratch buffer and a GEMM."""
+    kernel for few rows, else the weight dequantized into the scratch buffer and a GEMM.
+    ``int8``: never the dequantizing bf16 tiles (cpu_kernels.quant_linear)."""
     if not cpu_kernels.usable(x):
         raise RuntimeError("GGUF blocks need the CPU kernels (LANE_CPU_KERNELS=0 or a failed build); "
                            "load with --quantization none")
     if x.shape[0] <= quant_rows(x.dtype, x8):
-        return cpu_kernels.quant_linear(x, blocks, kind, shape[0], bias, x8)
+        return cpu_kernels.quant_linear(x, blocks, kind, shape[0], bias, x8, int8)
     return linear(x, dequantized(blocks, kind, shape, x.dtype, x8), bias)
 
 

@@ -676,12 +676,10 @@ extern "C" void lane_x8_amx(int on, int64_t min_rows, int64_t* out) {
 extern "C" bool lane_x8_bf16_amx_linear(const void*, const uint8_t*, int, const float*, void*, int64_t, int64_t,
                                         int64_t, int);
 
-// y [M, N] (y_dtype) = x [M, K] (x_dtype) . W^T, W in the x8 layout (+ bias fp32); x is
-// quantized to 8-bit blocks once per call. bf16 rows on Q4_0 / Q4_1 where the CPU has AMX-BF16
-// take bf16_amx.cpp's dequantizing tiles instead, for every M.
-extern "C" void lane_quant_x8_linear(const void* x, int x_dtype, const uint8_t* w, int qtype, const float* bias,
-                                     void* y, int y_dtype, int64_t M, int64_t N, int64_t K, int threads) {
-  if (x_dtype == kBF16 && y_dtype == kBF16 && lane_x8_bf16_amx_linear(x, w, qtype, bias, y, M, N, K, threads)) return;
+// y [M, N] (y_dtype) = x [M, K] (x_dtype) . W^T, W in the x8 layout (+ bias fp32), on the integer
+// kernels: x is quantized to 8-bit blocks once per call
+extern "C" void lane_quant_x8_linear_int8(const void* x, int x_dtype, const uint8_t* w, int qtype, const float* bias,
+                                          void* y, int y_dtype, int64_t M, int64_t N, int64_t K, int threads) {
   const int64_t nb = K / kBlock;
   int8_t* qx = scratch<int8_t, 2>(M * K);
   float* dx = scratch<float, 4>(2 * M * nb);
@@ -741,4 +739,13 @@ extern "C" void lane_quant_x8_linear(const void* x, int x_dtype, const uint8_t* 
         }
       });
   });
+}
+
+// As lane_quant_x8_linear_int8, but bf16 rows on Q4_0 / Q4_1 where the CPU has AMX-BF16 take
+// bf16_amx.cpp's dequantizing tiles instead, for every M (a layer that mostly sees one or two
+// rows, an MoE expert's, keeps the integer kernels: the caller's choice, per layer)
+extern "C" void lane_quant_x8_linear(const void* x, int x_dtype, const uint8_t* w, int qtype, const float* bias,
+                                     void* y, int y_dtype, int64_t M, int64_t N, int64_t K, int threads) {
+  if (x_dtype == kBF16 && y_dtype == kBF16 && lane_x8_bf16_amx_linear(x, w, qtype, bias, y, M, N, K, threads)) return;
+  lane_quant_x8_linear_int8(x, x_dtype, w, qtype, bias, y, y_dtype, M, N, K, threads);
 }
