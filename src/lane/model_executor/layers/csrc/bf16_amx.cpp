@@ -209,16 +209,23 @@ __attribute__((target("avx512vbmi,avx512bf16"))) void dequant_strip(const uint8_
                                                                      bf16* dst, int64_t ld) {
   const int64_t gb = kX8Rows * ggml_block_bytes(qtype), qo = x8_quant_offset(qtype);
   // dword 8 c + r of the group's 128 quant bytes is chunk c of row r (its bytes 4c..4c+3: values
-  // 4c.. in the low nibbles, 16 + 4c.. in the high). Pair p's qword i: rows 2p and 2p + 1's chunk i % 4.
-  alignas(64) int32_t pairs[kX8Rows / 2][16];
-  for (int p = 0; p < kX8Rows / 2; ++p)
-    for (int i = 0; i < 8; ++i) pairs[p][2 * i] = 8 * (i % 4) + 2 * p, pairs[p][2 * i + 1] = 8 * (i % 4) + 2 * p + 1;
-  // word k (value k of the row) of qword k / 4: its nibble starts at bit 8 (k % 4) (+ 4 from value
-  // 16 on) of its row's dword (+ 32 for the pair's second row)
-  alignas(64) uint8_t shifts[2][64] = {};
-  for (int h = 0; h < 2; ++h)
-    for (int k = 0; k < 32; ++k) shifts[h][2 * k] = static_cast<uint8_t>(32 * h + 8 * (k % 4) + (k >= 16 ? 4 : 0));
-  const __m512i shift0 = _mm512_load_si512(shifts[0]), shift1 = _mm512_load_si512(shifts[1]);
+  // 4c.. in the low nibbles, 16 + 4c.. in the high). Pair p's qword i: rows 2p and 2p + 1's chunk
+  // i % 4. Word k (value k of a row) of qword k / 4: its nibble starts at bit 8 (k % 4) (+ 4 from
+  // value 16 on) of its row's dword (+ 32 for the pair's second row). (Built once: a call is one
+  // chunk of a unit.)
+  struct Indices {
+    alignas(64) int32_t pairs[kX8Rows / 2][16];
+    alignas(64) uint8_t shifts[2][64];
+  };
+  static const Indices ix = [] {
+    Indices v{};
+    for (int p = 0; p < kX8Rows / 2; ++p)
+      for (int i = 0; i < 8; ++i) v.pairs[p][2 * i] = 8 * (i % 4) + 2 * p, v.pairs[p][2 * i + 1] = 8 * (i % 4) + 2 * p + 1;
+    for (int h = 0; h < 2; ++h)
+      for (int k = 0; k < 32; ++k) v.shifts[h][2 * k] = static_cast<uint8_t>(32 * h + 8 * (k % 4) + (k >= 16 ? 4 : 0));
+    return v;
+  }();
+  const __m512i shift0 = _mm512_load_si512(ix.shifts[0]), shift1 = _mm512_load_si512(ix.shifts[1]);
   const __m512i nibble = _mm512_set1_epi16(0x0f), second = _mm512_set1_epi16(0x10);
   const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512 levels = qtype == kQ4_0 ? _mm512_sub_ps(iota, _mm512_set1_ps(8.f)) : iota;
@@ -238,7 +245,7 @@ __attribute__((target("avx512vbmi,avx512bf16"))) void dequant_strip(const uint8_
       const __m512i lo = _mm512_loadu_si512(o + qo), hi = _mm512_loadu_si512(o + qo + 64);
       bf16* row = dst + g * kX8Rows * ld + (b - b0) * kStep;
       for (int p = 0; p < kX8Rows / 2; ++p) {
-        const __m512i q = _mm512_permutex2var_epi32(lo, _mm512_load_si512(pairs[p]), hi);
+        const __m512i q = _mm512_permutex2var_epi32(lo, _mm512_load_si512(ix.pairs[p]), hi);
         const __m512 v0 = _mm512_fmadd_ps(levels, _mm512_set1_ps(d[2 * p]), _mm512_set1_ps(m[2 * p]));
         const __m512 v1 = _mm512_fmadd_ps(levels, _mm512_set1_ps(d[2 * p + 1]), _mm512_set1_ps(m[2 * p + 1]));
         const __m512i table = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(v1, v0));  // words 0-15: row 2p
