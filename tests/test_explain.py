@@ -45,6 +45,10 @@ def test_explain_default_model_matches_the_engine_pool(lane_smollm_fp32, smollm_
     assert "registered: yes, LlamaForCausalLM by built-in" in text
     assert "lane.model_executor.models.llama:LlamaForCausalLM" in text
     assert "backend: paged_sdpa" in text
+    assert "kernels here: the int8 kernels (8-bit activations" in text  # (float32 rows: on every CPU)
+    from lane.model_executor.layers import cpu_kernels
+    bf16 = explain(smollm_gguf, "bfloat16", 16, 512 << 20)
+    assert ("Q4_0 / Q4_1: AMX-BF16 tiles" in bf16) == cpu_kernels.x8_bf16_amx(), bf16
     assert "2 x 3 KV heads x 64 = 1,536 B" in text  # float32
     blocks = int(text.split("->")[-1].split("blocks")[0].replace(",", ""))
     assert blocks == lane_smollm_fp32.engine.kv_cache_config.num_blocks[0]

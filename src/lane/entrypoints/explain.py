@@ -224,9 +224,14 @@ def explain(model: str | None, dtype: str = "auto", block_size: int | None = Non
            "none": f"dequantized to {str(dtype).removeprefix('torch.')}" if mc.gguf_file else "as stored",
            "int8": "linear and expert weights int8 per channel (W8A16)",
            "w8a8": "linear and expert weights int8 per channel, activations int8 per token (W8A8)"}
-    lines.insert(lines.index("2 · attention backend (chosen from the config's fields)") - 1,
-                 f"  weights resident: {planned_weight_bytes(mc, model) / 2**20:,.1f} MiB "
-                 f"(--quantization {mc.quantization}: {how[mc.quantization]})")
+    at = lines.index("2 · attention backend (chosen from the config's fields)") - 1
+    lines.insert(at, f"  weights resident: {planned_weight_bytes(mc, model) / 2**20:,.1f} MiB "
+                     f"(--quantization {mc.quantization}: {how[mc.quantization]})")
+    if mc.gguf_file and mc.quantization == "auto" and dtype.is_floating_point:
+        from lane.model_executor.layers import cpu_kernels
+
+        cpu_kernels.build()  # (cached after the first use on this CPU)
+        lines.insert(at + 1, f"  kernels here: {cpu_kernels.gguf_kernels(dtype)}")
     set_kv_cache_dtype(model, kv_cache_dtype)
     specs = kv_cache_specs(model, block_size, dtype, enable_prefix_caching)
     groups = group_kv_cache_specs(specs)

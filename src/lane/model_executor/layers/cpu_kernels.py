@@ -521,6 +521,23 @@ def _amx_switch(name: str, enable: bool | None) -> bool:
     return bool(out[0])
 
 
+def gguf_kernels(dtype: torch.dtype) -> str:
+    """Which kernels multiply a GGUF's blocks kept under --quantization auto on this CPU, with rows
+    of ``dtype`` (for `lane explain`); the same for every row count (batch invariance)."""
+    if _lib is None:
+        return "none: the CPU kernels are unavailable here (no compiler or a failed build); load with --quantization none"
+    ints = f"the int8 kernels (8-bit activations; {_isa} build" + \
+        (", VNNI" if "avx512_vnni" in platform.cpu_flags() and _isa == "avx512" and
+         os.environ.get("LANE_CPU_VNNI", "1") != "0" else "") + ")"
+    amx, min_rows = x8_amx()
+    if amx:
+        ints += f", AMX-INT8 tiles from {min_rows} rows"
+    if dtype == torch.bfloat16 and x8_bf16_amx():
+        return (f"Q4_0 / Q4_1: AMX-BF16 tiles, each unit of weight rows dequantized to bf16 per call; "
+                f"Q8_0, K-quants and MoE experts: {ints}")
+    return ints
+
+
 def x8_fits(kind: str, N: int) -> bool:
     """Whether repack_x8 takes N rows of this kind: a kind in x8_kinds() and N a multiple of 8."""
     return _lib is not None and N % 8 == 0 and kind in x8_kinds()
