@@ -70,26 +70,20 @@ def x8bf16_section(rows: str, g: torch.Generator, out: dict) -> None:
     from test_quant_linear import random_blocks
 
     from lane.model_executor.layers import cpu_kernels
-    try:
-        for kind in ("Q4_0", "Q4_1"):
-            for N, K in ((1536, 576), (576, 1536)):
-                packed = cpu_kernels.repack_x8(random_blocks(kind, N, K, g), kind, N)
-                w = cpu_kernels.dequant_x8(packed, kind, N, K, torch.bfloat16)
-                cells = []
-                for M in map(int, rows.split(",")):
-                    x = torch.randn(M, K, generator=g).to(torch.bfloat16)
-                    run = lambda: cpu_kernels.quant_linear(x, packed, kind, N, x8=True)  # noqa: E731
-                    cpu_kernels.x8_bf16_amx(True)
-                    tiles = best_us(run)
-                    cpu_kernels.x8_bf16_amx(False)
-                    int8 = best_us(run)
-                    dense = best_us(lambda: cpu_kernels.small_m_linear(x, w, None))
-                    out[f"x8bf16 {kind} {K}->{N} M={M} int8/tiles"] = round(int8 / tiles, 2)
-                    out[f"x8bf16 {kind} {K}->{N} M={M} dense/tiles"] = round(dense / tiles, 2)
-                    cells.append(f"M={M} {tiles:5.0f} us (int8 {int8 / tiles:4.2f}x, dense {dense / tiles:4.2f}x)")
-                print(f"{kind:5s} {K:4d}->{N:4d}  bf16 tiles: " + "  ".join(cells), flush=True)
-    finally:
-        cpu_kernels.x8_bf16_amx(True)
+    for kind in ("Q4_0", "Q4_1"):
+        for N, K in ((1536, 576), (576, 1536)):
+            packed = cpu_kernels.repack_x8(random_blocks(kind, N, K, g), kind, N)
+            w = cpu_kernels.dequant_x8(packed, kind, N, K, torch.bfloat16)
+            cells = []
+            for M in map(int, rows.split(",")):
+                x = torch.randn(M, K, generator=g).to(torch.bfloat16)
+                tiles = best_us(lambda: cpu_kernels.quant_linear(x, packed, kind, N, x8=True))
+                int8 = best_us(lambda: cpu_kernels.quant_linear(x, packed, kind, N, x8=True, int8=True))
+                dense = best_us(lambda: cpu_kernels.small_m_linear(x, w, None))
+                out[f"x8bf16 {kind} {K}->{N} M={M} int8/tiles"] = round(int8 / tiles, 2)
+                out[f"x8bf16 {kind} {K}->{N} M={M} dense/tiles"] = round(dense / tiles, 2)
+                cells.append(f"M={M} {tiles:5.0f} us (int8 {int8 / tiles:4.2f}x, dense {dense / tiles:4.2f}x)")
+            print(f"{kind:5s} {K:4d}->{N:4d}  bf16 tiles: " + "  ".join(cells), flush=True)
 
 
 def main() -> None:
@@ -118,9 +112,7 @@ def main() -> None:
     if "x8" not in sections or not usable:
         print(json.dumps(out))
         return
-    bf16_tiles = cpu_kernels.x8_bf16_amx()
     try:
-        cpu_kernels.x8_bf16_amx(False)  # (the int8 kernels for bf16 rows too)
         for kind in args.kinds.split(","):
             # SmolLM2's widths; 768 for the K-quants, whose rows are whole super-blocks of 256
             width = 768 if kind in cpu_kernels.K_KINDS else 576
@@ -131,7 +123,8 @@ def main() -> None:
                 cells = []
                 for M in map(int, args.rows.split(",")):
                     x = torch.randn(M, K, generator=g).to(torch.bfloat16)
-                    run = lambda: cpu_kernels.quant_linear(x, packed, kind, N, x8=True)  # noqa: E731
+                    # (int8: bf16 rows too, not the dequantizing bf16 tiles)
+                    run = lambda: cpu_kernels.quant_linear(x, packed, kind, N, x8=True, int8=True)  # noqa: E731
                     cpu_kernels.x8_amx(True, 1)
                     tiles = best_us(run)
                     cpu_kernels.x8_amx(False)
@@ -141,7 +134,6 @@ def main() -> None:
                 print(f"{kind:5s} {K:4d}->{N:4d}  pair/tiles: " + "  ".join(cells), flush=True)
     finally:
         cpu_kernels.x8_amx(True, threshold)
-        cpu_kernels.x8_bf16_amx(bf16_tiles)
     print(json.dumps(out))
 
 

@@ -91,9 +91,9 @@ def check_kernels(shapes=((37, 96), (64, 576))) -> dict:
                 for dt in (torch.bfloat16, torch.float16):
                     xh = x.to(dt)
                     for w, packed in ((blocks, False), (x8, True)) if x8 is not None else ((blocks, False),):
-                        if packed and dt == torch.bfloat16 and x8_bf16_here(kind):
-                            continue  # (bf16 tiles on the dequantized weight: test_x8_bf16_tiles_...)
-                        y = cpu_kernels.quant_linear(xh, w, kind, N, x8=packed)
+                        # (int8: the integer kernels for bf16 rows too, where the dequantizing
+                        # tiles would take them: test_x8_bf16_tiles_...)
+                        y = cpu_kernels.quant_linear(xh, w, kind, N, x8=packed, int8=True)
                         ref = cpu_kernels.quant_linear(xh.float(), w, kind, N, x8=packed).to(dt)
                         assert y.dtype == dt
                         if cpu_kernels.isa() != "generic":
@@ -103,11 +103,6 @@ def check_kernels(shapes=((37, 96), (64, 576))) -> dict:
                             tol = torch.finfo(dt).eps * r32.abs() + 1e-6 * r32.abs().max()  # (cancellation)
                             assert ((y.float() - r32).abs() <= tol).all(), (kind, N, K, M, dt, packed)
     return {"isa": cpu_kernels.isa(), "worst": worst}
-
-
-def x8_bf16_here(kind: str) -> bool:
-    """Whether bf16 rows on x8 blocks of this kind take the dequantizing AMX-BF16 tiles here."""
-    return kind in ("Q4_0", "Q4_1") and cpu_kernels.x8_bf16_amx()
 
 
 def test_kernels_on_this_path():
@@ -140,9 +135,7 @@ def test_x8_amx_tiles_equal_the_pair_kernel():
     g = torch.Generator().manual_seed(3)
     rng = np.random.default_rng(3)
     _, min_rows = cpu_kernels.x8_amx()
-    bf16_tiles = cpu_kernels.x8_bf16_amx()
     try:
-        cpu_kernels.x8_bf16_amx(False)  # (bf16 rows too: the int8 kernels, both ways)
         cpu_kernels.x8_amx(min_rows=1)
         for kind in set(cpu_kernels.x8_kinds()) - {"Q6_K"}:  # (Q6_K stays on the pair kernel)
             # (an odd count of 32-value blocks too: the activation tiles go two blocks at a time)
@@ -154,14 +147,13 @@ def test_x8_amx_tiles_equal_the_pair_kernel():
                 for M in (1, 16, 23, 130):
                     for dtype in (torch.float32, torch.bfloat16):
                         x = (torch.randn(M, K, generator=g) * 3).to(dtype)
-                        cpu_kernels.x8_amx(True)
-                        tiles = cpu_kernels.quant_linear(x, packed, kind, N, bias, x8=True)
+                        cpu_kernels.x8_amx(True)  # (int8: bf16 rows too, not the dequantizing bf16 tiles)
+                        tiles = cpu_kernels.quant_linear(x, packed, kind, N, bias, x8=True, int8=True)
                         cpu_kernels.x8_amx(False)
-                        pairs = cpu_kernels.quant_linear(x, packed, kind, N, bias, x8=True)
+                        pairs = cpu_kernels.quant_linear(x, packed, kind, N, bias, x8=True, int8=True)
                         assert torch.equal(tiles, pairs), (kind, N, K, M, dtype)
     finally:
         cpu_kernels.x8_amx(True, min_rows)
-        cpu_kernels.x8_bf16_amx(bf16_tiles)
 
 
 def test_x8_bf16_tiles_are_the_dense_tiles_on_the_dequantized_weight():

@@ -495,11 +495,11 @@ def bf16_amx(enable: bool | None = None) -> bool:
 
 
 def x8_bf16_amx(enable: bool | None = None) -> bool:
-    """Whether bf16 rows on x8-layout Q4_0 / Q4_1 weights run on AMX-BF16 tiles here, each 32
-    weight rows dequantized to bf16 per call, for every M (the CPU has AMX-BF16 and VBMI; off
-    with LANE_CPU_AMX=0). With ``enable``, set it first: tests and benchmarks only, as the int8
-    kernels that run those rows otherwise sum differently, and a switch mid-run breaks batch
-    invariance."""
+    """Whether bf16 rows on x8-layout Q4_0 / Q4_1 weights run on AMX-BF16 tiles here, each unit
+    of weight rows dequantized to bf16 per call, for every M (the CPU has AMX-BF16 and VBMI; off
+    with LANE_CPU_AMX=0 or LANE_CPU_X8_BF16=0). With ``enable``, set it first: tests and
+    benchmarks only, as the int8 kernels that run those rows otherwise sum differently, and a
+    switch mid-run breaks batch invariance (quant_linear's ``int8`` asks for those per call)."""
     return _amx_switch("lane_x8_bf16_amx", enable)
 
 
@@ -526,9 +526,8 @@ def gguf_kernels(dtype: torch.dtype) -> str:
     of ``dtype`` (for `lane explain`); the same for every row count (batch invariance)."""
     if _lib is None:
         return "none: the CPU kernels are unavailable here (no compiler or a failed build); load with --quantization none"
-    ints = f"the int8 kernels (8-bit activations; {_isa} build" + \
-        (", VNNI" if "avx512_vnni" in platform.cpu_flags() and _isa == "avx512" and
-         os.environ.get("LANE_CPU_VNNI", "1") != "0" else "") + ")"
+    # (the K-quants take the x8 layout exactly where the kernels run VNNI: lane_x8_supports)
+    ints = f"the int8 kernels (8-bit activations; {_isa} build" + (", VNNI" if "Q4_K" in x8_kinds() else "") + ")"
     amx, min_rows = x8_amx()
     if amx:
         ints += f", AMX-INT8 tiles from {min_rows} rows"

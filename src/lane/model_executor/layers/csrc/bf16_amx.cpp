@@ -57,7 +57,8 @@ constexpr int kTileU32 = kRows * kRows;  // a B tile: 16 pairs x 16 input rows, 
 // transposed in registers; rows past M are zeros
 void pack_rows(const bf16* x, uint32_t* xb, int64_t M, int64_t K, int threads) {
   const int64_t steps = K / kStep, tiles = (M + kRows - 1) / kRows;
-  parallel_for(tiles * steps, 4, threads, [&](int64_t i0, int64_t i1) {
+  // (one tile's packing is not worth a fork)
+  parallel_for(tiles * steps, 4, tiles == 1 ? 1 : threads, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t t = i / steps, s = i % steps;
       __m512 v[16];
@@ -179,22 +180,6 @@ void unit_tiles(const Rows& src, const uint32_t* xb, const float* bias, bf16* y,
   }
 }
 
-// Units [u0, u1) of unit_rows(M) dense weight rows
-void units(const bf16* w, const uint32_t* xb, const bf16* bias, bf16* y, int64_t M, int64_t N, int64_t K,
-           int64_t u0, int64_t u1) {
-  tile_configure_full();
-  const int ur = unit_rows(M);
-  for (int64_t u = u0; u < u1; ++u) {
-    const int64_t n0 = ur * u;
-    const int cols = static_cast<int>(std::min<int64_t>(ur, N - n0));
-    float b[3 * kRows] = {};
-    if (bias)
-      for (int i = 0; i < cols; ++i) b[i] = to_f(bias[n0 + i]);
-    unit_tiles(DenseRows{w + n0 * K, K}, xb, b, y + n0, M, N, K, cols);
-  }
-  tile_release();
-}
-
 // Q4_0 / Q4_1 weights in the x8 layout (common.h), dequantized a unit of rows at a time into bf16 for
 // the same tiles: every weight value bf16(d q + m) (Q4_0: d (q - 8)), the fp32 value rounded
 // once, as the dense kernel would see the weight dequantized to bf16. Two rows' blocks make one
@@ -274,21 +259,26 @@ struct QuantRows {
   }
 };
 
-// Units [u0, u1) of unit_rows(M) x8-layout weight rows (each unit's own dequantized strip)
-void quant_units(const uint8_t* w, int qtype, const uint32_t* xb, const float* bias, bf16* y, int64_t M, int64_t N,
-                 int64_t K, int64_t u0, int64_t u1) {
-  tile_configure_full();
-  const int ur = unit_rows(M);
-  bf16* strip = align64(scratch<bf16, 1>(3 * kRows * K + 32));
-  for (int64_t u = u0; u < u1; ++u) {
-    const int64_t n0 = ur * u;
-    const int cols = static_cast<int>(std::min<int64_t>(ur, N - n0));  // N is a multiple of 8
-    float b[3 * kRows] = {};
-    if (bias)
-      for (int i = 0; i < cols; ++i) b[i] = bias[n0 + i];
-    unit_tiles(QuantRows{w, qtype, n0 / kX8Rows, K, cols / kX8Rows, strip}, xb, b, y + n0, M, N, K, cols);
-  }
-  tile_release();
+// y [M, N] = x [M, K] . W^T + bias (fp32, or null), x and y bf16, W's rows as rows_of(n0, cols)
+// gives each unit's (DenseRows, QuantRows): the input rows packed once, then units of
+// unit_rows(M) weight rows split over the threads
+template <typename RowsOf>
+void tiles_linear(const void* x, const RowsOf& rows_of, const float* bias, void* y, int64_t M, int64_t N, int64_t K,
+                  int threads) {
+  const int64_t tiles = (M + kRows - 1) / kRows, ur = unit_rows(M);
+  uint32_t* xb = align64(scratch<uint32_t, 0>(tiles * kRows * K / 2 + 16));
+  pack_rows(static_cast<const bf16*>(x), xb, M, K, threads);
+  parallel_for((N + ur - 1) / ur, 1, threads, [&](int64_t u0, int64_t u1) {
+    tile_configure_full();
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t n0 = ur * u;
+      const int cols = static_cast<int>(std::min(ur, N - n0));
+      float b[3 * kRows] = {};
+      if (bias) std::memcpy(b, bias + n0, cols * sizeof(float));
+      unit_tiles(rows_of(n0, cols), xb, b, static_cast<bf16*>(y) + n0, M, N, K, cols);
+    }
+    tile_release();
+  });
 }
 #endif
 
@@ -301,13 +291,13 @@ extern "C" bool lane_bf16_amx_linear(const void* x, const void* w, const void* b
                                      int64_t K, int threads) {
 #if defined(__AVX512F__)
   if (K % kStep != 0 || N % kRows != 0 || !bf16_amx_usable()) return false;
-  const int64_t tiles = (M + kRows - 1) / kRows;
-  uint32_t* xb = align64(scratch<uint32_t, 0>(tiles * kRows * K / 2 + 16));
-  pack_rows(static_cast<const bf16*>(x), xb, M, K, threads);
-  const int64_t n_units = (N + unit_rows(M) - 1) / unit_rows(M);
-  parallel_for(n_units, 1, threads, [&](int64_t u0, int64_t u1) {
-    units(static_cast<const bf16*>(w), xb, static_cast<const bf16*>(bias), static_cast<bf16*>(y), M, N, K, u0, u1);
-  });
+  float* bf = nullptr;
+  if (bias) {  // (fp32 once a call, as the x8 layers' bias comes)
+    bf = scratch<float, 23>(N);
+    for (int64_t n = 0; n < N; ++n) bf[n] = to_f(static_cast<const bf16*>(bias)[n]);
+  }
+  const bf16* wd = static_cast<const bf16*>(w);
+  tiles_linear(x, [&](int64_t n0, int) { return DenseRows{wd + n0 * K, K}; }, bf, y, M, N, K, threads);
   return true;
 #else
   (void)x, (void)w, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)threads;
@@ -316,7 +306,7 @@ extern "C" bool lane_bf16_amx_linear(const void* x, const void* w, const void* b
 }
 
 // y [M, N] = x [M, K] . W^T (+ bias [N], fp32), x and y bf16, W Q4_0 / Q4_1 in the x8 layout
-// (N a multiple of 8), on AMX-BF16 tiles after dequantizing each 32 rows to bf16: false (nothing
+// (N a multiple of 8), on AMX-BF16 tiles after dequantizing each unit of rows to bf16: false (nothing
 // done) where the CPU, the kind or the switch rules them out, which never depends on M. Every
 // output is the dense tiles' chain over K on the dequantized weight, so a row's result is the
 // same bits alone or in any batch.
@@ -324,12 +314,9 @@ extern "C" bool lane_x8_bf16_amx_linear(const void* x, const uint8_t* w, int qty
                                         int64_t M, int64_t N, int64_t K, int threads) {
 #if defined(__AVX512F__)
   if ((qtype != kQ4_0 && qtype != kQ4_1) || !x8_bf16_usable()) return false;
-  const int64_t tiles = (M + kRows - 1) / kRows;
-  uint32_t* xb = align64(scratch<uint32_t, 0>(tiles * kRows * K / 2 + 16));
-  pack_rows(static_cast<const bf16*>(x), xb, M, K, M <= kRows ? 1 : threads);  // (one tile: not worth a fork)
-  parallel_for((N + unit_rows(M) - 1) / unit_rows(M), 1, threads, [&](int64_t u0, int64_t u1) {
-    quant_units(w, qtype, xb, bias, static_cast<bf16*>(y), M, N, K, u0, u1);
-  });
+  tiles_linear(x, [&](int64_t n0, int cols) {  // (N a multiple of 8: whole x8 groups; the thread's own strip)
+    return QuantRows{w, qtype, n0 / kX8Rows, K, cols / kX8Rows, align64(scratch<bf16, 1>(3 * kRows * K + 32))};
+  }, bias, y, M, N, K, threads);
   return true;
 #else
   (void)x, (void)w, (void)qtype, (void)bias, (void)y, (void)M, (void)N, (void)K, (void)threads;
