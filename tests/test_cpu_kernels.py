@@ -125,6 +125,11 @@ def test_bf16_amx_attention_rows_equal_decode_rows():
         lens = torch.tensor([done + 12, done + 45, 3], dtype=torch.int32)
         batch = cpu_kernels.decode_attention(q[[11, 44, 0]], kc, vc, tables, lens, 0.125)
         assert torch.equal(batch[:2], rows[[11, 44]]), (H, KVH, D)
+        # a batch big enough that each request's KV heads go through the context together
+        pick = torch.arange(0, n, 2)
+        tables = torch.stack([moved if i % 4 else ids for i in range(len(pick))])
+        batch = cpu_kernels.decode_attention(q[pick], kc, vc, tables, (done + pick + 1).to(torch.int32), 0.125)
+        assert torch.equal(batch, rows[pick]), (H, KVH, D)
 
 
 def test_engine_output_same_without_kernels(tmp_path, smollm_tokenizer):

@@ -7,10 +7,10 @@
 // blocks, counted from position 0 for every lane: S^T = K Q^T (two C tiles, keys x lanes), a
 // per-lane online softmax over the step's keys, O += P V (P rounded to bf16). The queries are the
 // B tile (dim pairs x lanes, built once a row); a K block is an A tile as it lies in the cache
-// (16 keys x 32 dims), so K is never transposed, and with a key's lanes in one vector a lane's
-// max and sum over the step are plain vector folds (P goes back to lanes x keys by one register
-// transpose). V enters as B tiles, its key pairs interleaved value by value. A chunk packs each
-// step's K and V once, for all its rows; a decode row reads K from the cache and packs its V.
+// (16 keys x 32 dims), so K is never transposed; the softmax takes each lane's 32 scores back as
+// two vectors. V enters as B tiles, its key pairs interleaved value by value. A chunk packs each
+// step's K and V once, for all its rows; a decode row reads K from the cache and packs its V,
+// a request's KV heads going through the context together when there are requests to spare.
 // (Against K transposed into B tiles: decode attention over a cache in DRAM 10-20 % faster,
 // chunks the same.)
 //
@@ -49,10 +49,14 @@ constexpr int64_t kTile = 256;  // 32-bit words in a tile: 16 rows of 64 bytes
 // (nullptr past L): the cache's own rows (row stride D), or with kdst, copied there as tiles of
 // 64-byte rows ([block][D / 32][key][32 dims]); and its V as B tiles ([D / 16], each 16 key pairs
 // x 16 dims: keys 2i, 2i + 1 interleaved value by value) in dst, keys at or past L zeros. Either
-// way of K gives the tiles the same values; the copy only makes a chunk's loads dense.
+// way of K gives the tiles the same values; the copy only makes a chunk's loads dense. pf: the
+// next step's four blocks (K, V of each; nullptr: none), asked for a little at a time: all at
+// once, the misses queue up behind each other, and a decode row over a cache in DRAM waits on
+// them (17.5 against 13.5 GB/s over 64 rows' cache).
 template <int64_t D>
 void step_blocks(const uint16_t* kc, const uint16_t* vc, const int64_t* table, int64_t L, int64_t j, int64_t h,
-                 int64_t KVH, const uint16_t** kb, uint32_t* dst, uint32_t* kdst = nullptr) {
+                 int64_t KVH, const uint16_t** kb, uint32_t* dst, uint32_t* kdst = nullptr,
+                 const char* const* pf = nullptr) {
   const uint16_t* vb[2] = {nullptr, nullptr};
   int64_t n[2];
   for (int b = 0; b < 2; ++b) {
@@ -75,6 +79,9 @@ void step_blocks(const uint16_t* kc, const uint16_t* vc, const int64_t* table, i
   const __m512i lo = _mm512_load_si512(lo_idx), hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
   for (int64_t k2 = 0; k2 < 16; ++k2) {  // keys 2 k2, 2 k2 + 1: block k2 / 8, rows t, t + 1
     const int b = static_cast<int>(k2 / 8), t = static_cast<int>(2 * (k2 % 8));
+    if (pf)  // a sixteenth of the next step's blocks, spread so that the misses overlap this step's work
+      for (int q = 0; q < 4; ++q)
+        for (int64_t i = 0; pf[q] && i < D * 2; i += 64) _mm_prefetch(pf[q] + k2 * D * 2 + i, _MM_HINT_T1);
     for (int64_t c = 0; c < D / 32; ++c) {
       const __m512i x = t < n[b] ? _mm512_loadu_si512(vb[b] + t * D + 32 * c) : _mm512_setzero_si512();
       const __m512i y = t + 1 < n[b] ? _mm512_loadu_si512(vb[b] + (t + 1) * D + 32 * c) : _mm512_setzero_si512();
@@ -97,6 +104,7 @@ struct Lanes {
   alignas(64) float m[kLanes], l[kLanes];
   alignas(64) float acc[kLanes * D];
   alignas(64) uint32_t qb[D / 32 * kTile];
+  alignas(64) uint32_t pa[kTile];  // P as an A tile: lane r's 32 keys in row r (bf16)
 
   void start() {
     for (int64_t c = 0; c < D / 32; ++c) {
@@ -110,6 +118,7 @@ struct Lanes {
     std::fill(m, m + kLanes, -INFINITY);
     std::fill(l, l + kLanes, 0.f);
     std::fill(acc, acc + kLanes * D, 0.f);
+    std::fill(pa, pa + kTile, 0u);  // rows of lanes past n stay 0
   }
   int64_t steps() const { return (*std::max_element(lens, lens + n) + kKeys - 1) / kKeys; }
   void finish() {
@@ -123,15 +132,16 @@ struct Lanes {
 };
 
 // Step j of every lane: K blocks kb (nullptr: none; a block's 32 dims c at kb + c kstep, rows
-// kstride bytes apart), V tiles vt (tiles configured by tile_configure_full). S^T = K Q^T puts a
-// key's 16 lanes in one vector, so a lane's max and sum over the step are plain vector folds; P
-// goes back to lanes x keys by one transpose
+// kstride bytes apart), V tiles vt (tiles configured by tile_configure_full). S^T = K Q^T comes
+// out keys x lanes; the softmax then goes lane by lane over the lane's 32 scores in two vectors
+// (taken by a gather for a few lanes, a decode row's G heads, else by two transposes: the same
+// values either way), so a decode row pays for its G lanes, not for 16. The lane's scores, max,
+// exps and sum are the same arithmetic in both callers, whatever the other lanes hold
 template <int64_t D>
 __attribute__((noinline)) void attend_step(Lanes<D>& ln, const uint16_t* const* kb, int64_t kstep, int64_t kstride,
                                            const uint32_t* vt, int64_t j, float scale) {
   alignas(64) float s[kKeys * kLanes];
   alignas(64) float o[kLanes * D];
-  alignas(64) uint32_t pa[kTile];
   LANE_TILE_ZERO(0);
   LANE_TILE_ZERO(1);
   for (int64_t c = 0; c < D / 32; ++c) {
@@ -147,47 +157,62 @@ __attribute__((noinline)) void attend_step(Lanes<D>& ln, const uint16_t* const* 
   }
   LANE_TILE_STORE(0, s, 64);
   LANE_TILE_STORE(1, s + kBS * kLanes, 64);
-  // scores scaled, keys a lane must not see at -inf (their P exactly 0; a lane with none of this
-  // step's keys is inactive: its state stays as it was)
-  const __m512 vs = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
-  const __m512i lens = _mm512_load_si512(ln.lens);
-  const int32_t k0 = static_cast<int32_t>(kKeys * j);
-  __mmask16 seen[kKeys];
-  __m512 x[kKeys];
-  __m512 mx = ninf;
-  for (int k = 0; k < kKeys; ++k) {
-    seen[k] = _mm512_cmpgt_epi32_mask(lens, _mm512_set1_epi32(k0 + k));
-    x[k] = _mm512_mask_mov_ps(ninf, seen[k], _mm512_mul_ps(_mm512_load_ps(s + k * kLanes), vs));
-    mx = _mm512_max_ps(mx, x[k]);
+  const int64_t n = ln.n;
+  __m512 lo[kLanes], hi[kLanes];  // lane r's scores of keys 0-15 and 16-31
+  if (n <= 4) {
+    const __m512i idx = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                           _mm512_set1_epi32(kLanes));
+    for (int64_t r = 0; r < n; ++r) {
+      lo[r] = _mm512_i32gather_ps(idx, s + r, 4);
+      hi[r] = _mm512_i32gather_ps(idx, s + kBS * kLanes + r, 4);
+    }
+  } else {
+    for (int k = 0; k < kLanes; ++k) lo[k] = _mm512_load_ps(s + k * kLanes), hi[k] = _mm512_load_ps(s + (kBS + k) * kLanes);
+    transpose16(lo);
+    transpose16(hi);
   }
-  const __mmask16 active = seen[0];
-  const __m512 m_old = _mm512_load_ps(ln.m), m_new = _mm512_max_ps(m_old, mx);
-  __m512i w[kLanes];
-  for (int k = 0; k < kKeys; ++k) x[k] = _mm512_maskz_mov_ps(seen[k], exp512(_mm512_sub_ps(x[k], m_new)));
-  for (int k = 0; k < kKeys; k += 2)  // lanes x key pairs, as bf16 pairs
-    w[k / 2] = _mm512_or_si512(_mm512_cvtepu16_epi32(round_bf16(x[k])),
-                               _mm512_slli_epi32(_mm512_cvtepu16_epi32(round_bf16(x[k + 1])), 16));
-  for (int span = kKeys / 2; span >= 1; span /= 2)  // row sums: a fixed tree
-    for (int k = 0; k < span; ++k) x[k] = _mm512_add_ps(x[k], x[k + span]);
-  __m512* wp = reinterpret_cast<__m512*>(w);
-  transpose16(wp);  // row r: lane r's 32 keys
-  for (int r = 0; r < kLanes; ++r) _mm512_store_si512(pa + 16 * r, _mm512_castps_si512(wp[r]));
+  // per lane: scores scaled, keys it must not see at -inf (their P exactly 0); a lane with none
+  // of this step's keys is inactive (its state stays as it was, its P row is not used)
+  const __m512 vs = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+  const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const int32_t k0 = static_cast<int32_t>(kKeys * j);
+  alignas(64) float m_new[kLanes], sum[kLanes];
+  __mmask16 active = 0;
+  for (int64_t r = 0; r < n; ++r) {
+    const int32_t left = ln.lens[r] - k0;
+    if (left <= 0) continue;
+    active |= static_cast<__mmask16>(1u << r);
+    const __mmask16 sa = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(left), iota);
+    const __mmask16 sb = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(left - kBS), iota);
+    const __m512 xa = _mm512_mask_mov_ps(ninf, sa, _mm512_mul_ps(lo[r], vs));
+    const __m512 xb = _mm512_mask_mov_ps(ninf, sb, _mm512_mul_ps(hi[r], vs));
+    const float m = std::max(ln.m[r], _mm512_reduce_max_ps(_mm512_max_ps(xa, xb)));
+    const __m512 mv = _mm512_set1_ps(m);
+    const __m512 pa = _mm512_maskz_mov_ps(sa, exp512(_mm512_sub_ps(xa, mv)));
+    const __m512 pb = _mm512_maskz_mov_ps(sb, exp512(_mm512_sub_ps(xb, mv)));
+    m_new[r] = m;
+    sum[r] = _mm512_reduce_add_ps(_mm512_add_ps(pa, pb));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(ln.pa + 16 * r), round_bf16(pa));  // row r: its 32 keys
+    _mm256_store_si256(reinterpret_cast<__m256i*>(ln.pa + 16 * r + 8), round_bf16(pb));
+  }
+  if (!active) return;
   // every lane's rescaling at once: corr = exp(m - new m), 0 before the lane's first key
+  const __m512 m_old = _mm512_load_ps(ln.m), mn = _mm512_mask_load_ps(m_old, active, m_new);
   const __m512 corr = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(m_old, ninf, _CMP_NEQ_OQ) & active,
-                                          exp512(_mm512_sub_ps(m_old, m_new)));
+                                          exp512(_mm512_sub_ps(m_old, mn)));
   _mm512_store_ps(ln.l, _mm512_mask_add_ps(_mm512_load_ps(ln.l), active,
-                                           _mm512_mul_ps(_mm512_load_ps(ln.l), corr), x[0]));
-  _mm512_store_ps(ln.m, _mm512_mask_mov_ps(m_old, active, m_new));
+                                           _mm512_mul_ps(_mm512_load_ps(ln.l), corr), _mm512_load_ps(sum)));
+  _mm512_store_ps(ln.m, mn);
   alignas(64) float cs[kLanes];
   _mm512_store_ps(cs, corr);
-  LANE_TILE_LOAD(5, pa, 64);
+  LANE_TILE_LOAD(5, ln.pa, 64);
   for (int64_t c = 0; c < D / 16; ++c) {
     LANE_TILE_ZERO(7);
     LANE_TILE_LOAD(6, vt + c * kTile, 64);
     LANE_TILE_DPBF16PS(7, 5, 6);
     LANE_TILE_STORE(7, o + 16 * c, D * 4);
   }
-  for (int64_t r = 0; r < ln.n; ++r) {
+  for (int64_t r = 0; r < n; ++r) {
     if (!((active >> r) & 1)) continue;
     const __m512 cv = _mm512_set1_ps(cs[r]);
     float* a = ln.acc + r * D;
@@ -201,25 +226,43 @@ void attend(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int
             uint16_t* out, int64_t B, int64_t H, int64_t KVH, int64_t MB, float scale, int threads) {
   const int64_t G = H / KVH;
   if (MB > 0) {  // decode rows: one request's G heads a tile, each step's V packed where it is used
-    parallel_for(B * KVH, 1, threads, [&](int64_t begin, int64_t end) {
+    // With requests to spare, an item is a request's KV heads (up to kHeads of them) stepping
+    // through the context together: a step reads each block's heads as one contiguous run,
+    // which the prefetchers follow. Few requests split by head, to keep both threads busy
+    constexpr int64_t kHeads = 4;
+    const int64_t HC = B >= 4 * threads ? std::min(KVH, kHeads) : 1, chunks = (KVH + HC - 1) / HC;
+    parallel_for(B * chunks, 1, threads, [&](int64_t begin, int64_t end) {
       tile_configure_full();
-      Lanes<D> ln;
+      Lanes<D> ln[kHeads];
       alignas(64) uint32_t vt[D / 16 * kTile];
       const uint16_t* kb[2];
       for (int64_t k = begin; k < end; ++k) {
-        const int64_t b = k / KVH, h = k % KVH;
-        ln.n = G;
-        for (int64_t g = 0; g < G; ++g) {
-          ln.lens[g] = lens[b];
-          ln.q[g] = q + (b * H + h * G + g) * D;
-          ln.out[g] = out + (b * H + h * G + g) * D;
+        const int64_t b = k / chunks, h0 = k % chunks * HC, nh = std::min(HC, KVH - h0);
+        for (int64_t i = 0; i < nh; ++i) {
+          ln[i].n = G;
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t head = (h0 + i) * G + g;
+            ln[i].lens[g] = lens[b];
+            ln[i].q[g] = q + (b * H + head) * D;
+            ln[i].out[g] = out + (b * H + head) * D;
+          }
+          ln[i].start();
         }
-        ln.start();
-        for (int64_t j = 0, n = ln.steps(); j < n; ++j) {
-          step_blocks<D>(kc, vc, tables + b * MB, lens[b], j, h, KVH, kb, vt);
-          attend_step<D>(ln, kb, 32, D * 2, vt, j, scale);
+        const int64_t n = ln[0].steps();
+        for (int64_t j = 0; j < n; ++j) {
+          for (int64_t i = 0; i < nh; ++i) {
+            const char* next[4] = {nullptr, nullptr, nullptr, nullptr};  // step j + 1's K and V blocks
+            for (int c = 0; c < 2 && j + 1 < n; ++c)
+              if (lens[b] > kKeys * (j + 1) + kBS * c) {
+                const int64_t base = (tables[b * MB + 2 * (j + 1) + c] * KVH + h0 + i) * kBS * D;
+                next[2 * c] = reinterpret_cast<const char*>(kc + base);
+                next[2 * c + 1] = reinterpret_cast<const char*>(vc + base);
+              }
+            step_blocks<D>(kc, vc, tables + b * MB, lens[b], j, h0 + i, KVH, kb, vt, nullptr, next);
+            attend_step<D>(ln[i], kb, 32, D * 2, vt, j, scale);
+          }
         }
-        ln.finish();
+        for (int64_t i = 0; i < nh; ++i) ln[i].finish();
       }
       tile_release();
     });
