@@ -38,10 +38,9 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     if device.type != "cpu" or nbytes < (1 << 20):
         return torch.zeros(shape, dtype=dtype, device=device)
     buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:  # a request's blocks lie anywhere in the pool: 2 MiB pages spare decode attention a TLB
-        buf.madvise(mmap.MADV_HUGEPAGE)  # miss per block (~8 % of it at 64 rows)
-    except (AttributeError, OSError):  # no transparent huge pages in this kernel
-        pass
+    # (Not MADV_HUGEPAGE: 2 MiB pages spared decode attention a TLB miss per block, 8 % of it at
+    # 64 rows, but each cost ~5 ms to fault in on a VM, 10x 4 KiB pages, and the first token of
+    # a request that reached new blocks waited for them: TTFT +20 ms at concurrency 1.)
     return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
 
 

@@ -108,6 +108,10 @@ def target_distribution(logits: torch.Tensor, md: SamplingMetadata) -> tuple[tor
     """What each row samples from: (the greedy token after penalties and stop-token masks,
     the probabilities after temperature and top-k / top-p / min-p, or None when all rows are
     greedy). The rejection sampler verifies drafts against the same distribution."""
+    if md.all_greedy and md.repetition_penalty is None and md.frequency_penalty is None \
+            and md.presence_penalty is None and md.bitmask is None and not md.masked_token_ids:
+        # the logits as they came: the same argmax, without a float32 copy (1 ms at 64 bf16 rows)
+        return cpu_kernels.argmax_rows(logits), None
     logits = logits.float()
     if md.repetition_penalty is not None or md.frequency_penalty is not None \
             or md.presence_penalty is not None:
@@ -152,9 +156,8 @@ def token_logprobs(raw_logprobs: torch.Tensor, tokens: list[int], num_logprobs: 
 
 
 def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
-    logits = logits.float()
     want_logprobs = any(n is not None for n in md.num_logprobs)
-    raw_logprobs = logits.log_softmax(dim=-1) if want_logprobs else None
+    raw_logprobs = logits.float().log_softmax(dim=-1) if want_logprobs else None
     greedy, probs = target_distribution(logits, md)
     if probs is None:
         tokens = greedy
