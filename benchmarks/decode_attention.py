@@ -1,0 +1,114 @@
+"""Paged decode attention over a cache too big for the L3: B decode rows (SmolLM2's shapes: 9
+heads, 3 KV heads, head_dim 64, 16-token blocks, bf16) at context L, for each of 30 layers'
+own blocks scattered over a pool of several GB, as a 64-stream decode step reads them. Each
+kernel's time for all 30 layers and its achieved GB/s over the K/V bytes, against the machine's
+DRAM read bandwidth measured in the same run (a 1 GiB sum, `dram_bound.dram_read_gbs`), and
+against torch's way (gather the blocks, repeat K/V for GQA, SDPA), which a serving engine
+without a paged kernel runs:
+- tiles: the AMX-BF16 kernel (`paged_attention_amx.cpp`, where the CPU has AMX-BF16),
+- avx512: the vector kernel (`paged_attention.cpp`: every other CPU; `LANE_CPU_AMX=0`),
+- torch: gather + `F.scaled_dot_product_attention`, one request at a time.
+
+    python benchmarks/decode_attention.py [--rows 64] [--context 450] [--pool-gib 4]
+
+The last line is a JSON object: ms per 30 layers and GB/s of each, DRAM GB/s, and the
+kernels' share of it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+LAYERS, H, KVH, D, BS = 30, 9, 3, 64, 16
+
+
+def best_ms(fn, rounds: int = 5) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(rounds):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", type=int, default=64)
+    ap.add_argument("--context", type=int, default=450)
+    ap.add_argument("--pool-gib", type=float, default=4.0, help="K + V pool size (blocks drawn at random from it)")
+    ap.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
+    args = ap.parse_args()
+    from dram_bound import dram_read_gbs
+
+    from lane.model_executor.layers import cpu_kernels
+    if not cpu_kernels.build():
+        sys.exit("the CPU kernels did not build")
+    torch.set_num_threads(args.threads)
+    g = torch.Generator().manual_seed(0)
+    B, L = args.rows, args.context
+    per = (L + BS - 1) // BS
+    nb = int(args.pool_gib * (1 << 30) / 2 / (KVH * BS * D * 2))
+    if nb < LAYERS * B * per:
+        sys.exit(f"--pool-gib {args.pool_gib} holds {nb} blocks, fewer than {LAYERS * B * per} for the step")
+    print(f"pool: 2 x {nb} blocks ({args.pool_gib:.1f} GiB); {B} rows x {L} keys x {LAYERS} layers", flush=True)
+    kc = torch.empty(nb, KVH, BS, D, dtype=torch.bfloat16)
+    vc = torch.empty(nb, KVH, BS, D, dtype=torch.bfloat16)
+    for t in (kc, vc):  # written in slices: no float32 copy of the pool
+        for s in range(0, nb, 4096):
+            t[s:s + 4096] = torch.randn(min(4096, nb - s), KVH, BS, D, generator=g)
+    perm = torch.randperm(nb, generator=g)
+    layers = [(torch.randn(B, H, D, generator=g).to(torch.bfloat16),
+               perm[i * B * per:(i + 1) * B * per].view(B, per).contiguous()) for i in range(LAYERS)]
+    lens = torch.full((B,), L, dtype=torch.int32)
+    scale = D ** -0.5
+
+    def kernel():
+        for q, tables in layers:
+            cpu_kernels.decode_attention(q, kc, vc, tables, lens, scale)
+
+    def torch_way():
+        import torch.nn.functional as F
+        for q, tables in layers:
+            for b in range(B):
+                k = kc[tables[b]].permute(1, 0, 2, 3).reshape(KVH, -1, D)[:, :L].repeat_interleave(H // KVH, 0)
+                v = vc[tables[b]].permute(1, 0, 2, 3).reshape(KVH, -1, D)[:, :L].repeat_interleave(H // KVH, 0)
+                F.scaled_dot_product_attention(q[b][:, None], k, v, scale=scale)
+
+    gbytes = LAYERS * B * L * KVH * D * 2 * 2 / 1e9
+    res: dict = {"rows": B, "context": L, "gbytes": round(gbytes, 3)}
+    dram = dram_read_gbs(args.threads)
+    res["dram_gbs"] = round(dram, 1)
+    print(f"DRAM read: {dram:.1f} GB/s ({args.threads} threads)", flush=True)
+    kinds = []
+    if cpu_kernels.attention_amx():
+        kinds.append("tiles")
+    kinds.append("avx512" if cpu_kernels.isa() == "avx512" else cpu_kernels.isa())
+    try:
+        for kind in kinds:
+            cpu_kernels.attention_amx(kind == "tiles")
+            ms = best_ms(kernel)
+            res[f"{kind}_ms"], res[f"{kind}_gbs"] = round(ms, 1), round(gbytes / ms * 1e3, 1)
+            res[f"{kind}_of_dram"] = round(gbytes / ms * 1e3 / dram, 2)
+            print(f"{kind:>7}: {ms:7.1f} ms for {LAYERS} layers, {gbytes / ms * 1e3:5.1f} GB/s "
+                  f"({res[f'{kind}_of_dram']:.0%} of DRAM)", flush=True)
+    finally:
+        cpu_kernels.attention_amx(True)
+    ms = best_ms(torch_way, rounds=2)
+    res["torch_ms"] = round(ms, 1)
+    print(f"  torch: {ms:7.1f} ms for {LAYERS} layers (gather + SDPA); kernels: "
+          + ", ".join(f"{k} {ms / res[f'{k}_ms']:.1f}x" for k in kinds), flush=True)
+    for k in kinds:
+        res[f"torch_over_{k}"] = round(ms / res[f"{k}_ms"], 2)
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()
