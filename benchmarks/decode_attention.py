@@ -1,6 +1,7 @@
 """Paged decode attention over a cache too big for the L3: B decode rows (SmolLM2's shapes: 9
-heads, 3 KV heads, head_dim 64, 16-token blocks, bf16) at context L, for each of 30 layers'
-own blocks scattered over a pool of several GB, as a 64-stream decode step reads them. Each
+heads, 3 KV heads, head_dim 64, 16-token blocks, bf16) at context L over each of 30 layers'
+caches, laid out as lane's KV pool is (a K and a V tensor a layer, a request's block table the
+same in every layer, its blocks anywhere in the pool), as a 64-stream decode step reads them. Each
 kernel's time for all 30 layers and its achieved GB/s over the K/V bytes, against the machine's
 DRAM read bandwidth measured in the same run (a 1 GiB sum, `dram_bound.dram_read_gbs`), and
 against torch's way (gather the blocks, repeat K/V for GQA, SDPA), which a serving engine
@@ -55,28 +56,31 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     B, L = args.rows, args.context
     per = (L + BS - 1) // BS
-    nb = int(args.pool_gib * (1 << 30) / 2 / (KVH * BS * D * 2))
-    if nb < LAYERS * B * per:
-        sys.exit(f"--pool-gib {args.pool_gib} holds {nb} blocks, fewer than {LAYERS * B * per} for the step")
-    print(f"pool: 2 x {nb} blocks ({args.pool_gib:.1f} GiB); {B} rows x {L} keys x {LAYERS} layers", flush=True)
-    kc = torch.empty(nb, KVH, BS, D, dtype=torch.bfloat16)
-    vc = torch.empty(nb, KVH, BS, D, dtype=torch.bfloat16)
-    for t in (kc, vc):  # written in slices: no float32 copy of the pool
-        for s in range(0, nb, 4096):
-            t[s:s + 4096] = torch.randn(min(4096, nb - s), KVH, BS, D, generator=g)
-    perm = torch.randperm(nb, generator=g)
-    layers = [(torch.randn(B, H, D, generator=g).to(torch.bfloat16),
-               perm[i * B * per:(i + 1) * B * per].view(B, per).contiguous()) for i in range(LAYERS)]
+    nb = int(args.pool_gib * (1 << 30) / (2 * LAYERS * KVH * BS * D * 2))  # blocks a layer's tensors hold
+    if nb < B * per:
+        sys.exit(f"--pool-gib {args.pool_gib} holds {nb} blocks, fewer than the {B * per} the rows need")
+    print(f"pool: {LAYERS} layers x 2 x {nb} blocks ({args.pool_gib:.1f} GiB); {B} rows x {L} keys", flush=True)
+    caches = []
+    for _ in range(LAYERS):
+        kv = []
+        for _ in range(2):  # written in slices: no float32 copy of the pool
+            t = torch.empty(nb, KVH, BS, D, dtype=torch.bfloat16)
+            for s in range(0, nb, 4096):
+                t[s:s + 4096] = torch.randn(min(4096, nb - s), KVH, BS, D, generator=g)
+            kv.append(t)
+        caches.append(kv)
+    tables = torch.randperm(nb, generator=g)[:B * per].view(B, per).contiguous()  # every layer's
+    qs = [torch.randn(B, H, D, generator=g).to(torch.bfloat16) for _ in range(LAYERS)]
     lens = torch.full((B,), L, dtype=torch.int32)
     scale = D ** -0.5
 
     def kernel():
-        for q, tables in layers:
+        for q, (kc, vc) in zip(qs, caches):
             cpu_kernels.decode_attention(q, kc, vc, tables, lens, scale)
 
     def torch_way():
         import torch.nn.functional as F
-        for q, tables in layers:
+        for q, (kc, vc) in zip(qs, caches):
             for b in range(B):
                 k = kc[tables[b]].permute(1, 0, 2, 3).reshape(KVH, -1, D)[:, :L].repeat_interleave(H // KVH, 0)
                 v = vc[tables[b]].permute(1, 0, 2, 3).reshape(KVH, -1, D)[:, :L].repeat_interleave(H // KVH, 0)
