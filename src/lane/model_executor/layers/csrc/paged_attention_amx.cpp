@@ -265,7 +265,10 @@ void attend(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int
       alignas(64) uint32_t vt[D / 16 * kTile];
       const uint16_t* kb[2];
       for (int64_t k = begin; k < end; ++k) {
-        const int64_t b = k / chunks, h0 = k % chunks * HC, nh = std::min(HC, KVH - h0);
+        // (zigzag: a batch runs oldest first, its contexts longest first; halves would give one
+        // thread the long ones)
+        const int64_t item = zigzag(k, B * chunks), b = item / chunks, h0 = item % chunks * HC;
+        const int64_t nh = std::min(HC, KVH - h0);
         for (int64_t i = 0; i < nh; ++i) {
           ln[i].n = G;
           for (int64_t g = 0; g < G; ++g) {
