@@ -59,15 +59,15 @@ inline float fold16(__m512 v) {
 // (nullptr past L): the cache's own rows (row stride D), or with kdst, copied there as tiles of
 // 64-byte rows ([block][D / 32][key][32 dims]); and its V as B tiles ([D / 16], each 16 key pairs
 // x 16 dims: keys 2i, 2i + 1 interleaved value by value) in dst, keys at or past L zeros. Either
-// way of K gives the tiles the same values; the copy only makes a chunk's loads dense. pf: the
-// next step's four blocks (K, V of each; nullptr: none), asked for a little at a time: all at
+// way of K gives the tiles the same values; the copy only makes a chunk's loads dense. With
+// prefetch, step j + 1's blocks are asked for a sixteenth at a time along the packing: all at
 // once, the misses queue up behind each other, and a decode row over a cache in DRAM waits on
-// them (17.5 against 13.5 GB/s over 64 rows' cache).
+// them (decode_attention.py's 64 rows: 14 against ~11 GB/s).
 template <int64_t D>
 void step_blocks(const uint16_t* kc, const uint16_t* vc, const int64_t* table, int64_t L, int64_t j, int64_t h,
-                 int64_t KVH, const uint16_t** kb, uint32_t* dst, uint32_t* kdst = nullptr,
-                 const char* const* pf = nullptr) {
+                 int64_t KVH, const uint16_t** kb, uint32_t* dst, uint32_t* kdst = nullptr, bool prefetch = false) {
   const uint16_t* vb[2] = {nullptr, nullptr};
+  const char* next[4] = {nullptr, nullptr, nullptr, nullptr};  // step j + 1's K and V blocks
   int64_t n[2];
   for (int b = 0; b < 2; ++b) {
     n[b] = std::clamp<int64_t>(L - kKeys * j - kBS * b, 0, kBS);
@@ -75,6 +75,10 @@ void step_blocks(const uint16_t* kc, const uint16_t* vc, const int64_t* table, i
     if (n[b] > 0) {
       const int64_t base = (table[2 * j + b] * KVH + h) * kBS * D;
       kb[b] = kc + base, vb[b] = vc + base;
+    }
+    if (prefetch && L > kKeys * (j + 1) + kBS * b) {
+      const int64_t base = (table[2 * (j + 1) + b] * KVH + h) * kBS * D;
+      next[2 * b] = reinterpret_cast<const char*>(kc + base), next[2 * b + 1] = reinterpret_cast<const char*>(vc + base);
     }
   }
   for (int b = 0; kdst && b < 2; ++b) {  // K as A tiles of 64-byte rows ([D / 32][key][32 dims])
@@ -89,9 +93,8 @@ void step_blocks(const uint16_t* kc, const uint16_t* vc, const int64_t* table, i
   const __m512i lo = _mm512_load_si512(lo_idx), hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
   for (int64_t k2 = 0; k2 < 16; ++k2) {  // keys 2 k2, 2 k2 + 1: block k2 / 8, rows t, t + 1
     const int b = static_cast<int>(k2 / 8), t = static_cast<int>(2 * (k2 % 8));
-    if (pf)  // a sixteenth of the next step's blocks, spread so that the misses overlap this step's work
-      for (int q = 0; q < 4; ++q)
-        for (int64_t i = 0; pf[q] && i < D * 2; i += 64) _mm_prefetch(pf[q] + k2 * D * 2 + i, _MM_HINT_T1);
+    for (int q = 0; q < 4; ++q)  // a sixteenth of the next step's blocks
+      for (int64_t i = 0; next[q] && i < D * 2; i += 64) _mm_prefetch(next[q] + k2 * D * 2 + i, _MM_HINT_T1);
     for (int64_t c = 0; c < D / 32; ++c) {
       const __m512i x = t < n[b] ? _mm512_loadu_si512(vb[b] + t * D + 32 * c) : _mm512_setzero_si512();
       const __m512i y = t + 1 < n[b] ? _mm512_loadu_si512(vb[b] + (t + 1) * D + 32 * c) : _mm512_setzero_si512();
@@ -144,9 +147,9 @@ struct Lanes {
 // Step j of every lane: K blocks kb (nullptr: none; a block's 32 dims c at kb + c kstep, rows
 // kstride bytes apart), V tiles vt (tiles configured by tile_configure_full). S^T = K Q^T comes
 // out keys x lanes; the softmax goes key by key over all 16 lanes, or, for a tile of a few lanes
-// (a decode row's G heads), lane by lane, which pays for G lanes' exps rather than 16 (a 64-row
-// decode step's attention 1.3x faster): the same arithmetic in the same order either way, so a
-// lane's output does not depend on which way its tile took
+// (a decode row's G heads), lane by lane, which pays for G lanes' exps rather than 16 (64 decode
+// rows over a cache in L3: 0.68 -> 0.62 ms a layer): the same arithmetic in the same order
+// either way, so a lane's output does not depend on which way its tile took
 template <int64_t D>
 __attribute__((noinline)) void attend_step(Lanes<D>& ln, const uint16_t* const* kb, int64_t kstep, int64_t kstride,
                                            const uint32_t* vt, int64_t j, float scale) {
@@ -282,14 +285,7 @@ void attend(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int
         const int64_t n = ln[0].steps();
         for (int64_t j = 0; j < n; ++j) {
           for (int64_t i = 0; i < nh; ++i) {
-            const char* next[4] = {nullptr, nullptr, nullptr, nullptr};  // step j + 1's K and V blocks
-            for (int c = 0; c < 2 && j + 1 < n; ++c)
-              if (lens[b] > kKeys * (j + 1) + kBS * c) {
-                const int64_t base = (tables[b * MB + 2 * (j + 1) + c] * KVH + h0 + i) * kBS * D;
-                next[2 * c] = reinterpret_cast<const char*>(kc + base);
-                next[2 * c + 1] = reinterpret_cast<const char*>(vc + base);
-              }
-            step_blocks<D>(kc, vc, tables + b * MB, lens[b], j, h0 + i, KVH, kb, vt, nullptr, next);
+            step_blocks<D>(kc, vc, tables + b * MB, lens[b], j, h0 + i, KVH, kb, vt, nullptr, true);
             attend_step<D>(ln[i], kb, 32, D * 2, vt, j, scale);
           }
         }
