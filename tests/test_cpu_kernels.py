@@ -81,12 +81,13 @@ def test_bf16_amx_tiles_match_torch_and_keep_rows_apart():
     for N, K in ((48, 64), (96, 576), (64, 1536), (80, 100)):  # a lone weight tile, pairs, K tail
         w = torch.randn(N, K, generator=g).to(torch.bfloat16)
         b = torch.randn(N, generator=g).to(torch.bfloat16)
-        x = torch.randn(130, K, generator=g).to(torch.bfloat16)
+        # 266 rows: K = 1536 takes the rows in blocks of 256 (bf16_amx.cpp's kBlockBytes), the last of 10
+        x = torch.randn(266, K, generator=g).to(torch.bfloat16)
         for bias in (None, b):
             y = cpu_kernels.small_m_linear(x, w, bias)
             ref = F.linear(x.float(), w.float(), None if bias is None else bias.float())
             torch.testing.assert_close(y.float(), ref, atol=0.05, rtol=1e-2)
-            perm = torch.randperm(130, generator=g)
+            perm = torch.randperm(266, generator=g)
             assert torch.equal(cpu_kernels.small_m_linear(x[perm], w, bias), y[perm]), (N, K)
             for M in (1, 15, 16, 17, 33):
                 assert torch.equal(cpu_kernels.small_m_linear(x[:M], w, bias), y[:M]), (N, K, M)

@@ -160,8 +160,8 @@ def test_x8_bf16_tiles_are_the_dense_tiles_on_the_dequantized_weight():
     """Where the CPU has AMX-BF16, bf16 rows on x8 Q4_0 / Q4_1 blocks run on bf16 tiles, each unit
     of weight rows dequantized per call: every output equals, bit for bit, the dense bf16 tiles'
     on the weight dequantized to bf16 (d q + m in fp32, rounded once) with the same bias, for one
-    row, a tile, a tile and one, and many (both unit shapes, the K chunks and the full strip); a
-    row alone equals the same row in any batch; N not a multiple of 16 (a unit's last tile half
+    row, a tile, a tile and one, and many (both unit shapes, the K chunks and the full strip, rows in
+    more than one block); a row alone equals the same row in any batch; N not a multiple of 16 (a unit's last tile half
     empty) stays within bf16 rounding of fp32; the int8 kernels still run fp32 rows, and the bf16
     rows of a layer that asks for them (quant_linear's int8: MoE experts)."""
     assert cpu_kernels.build()
@@ -175,7 +175,8 @@ def test_x8_bf16_tiles_are_the_dense_tiles_on_the_dequantized_weight():
             packed = cpu_kernels.repack_x8(blocks, kind, N)
             w = cpu_kernels.dequant_x8(packed, kind, N, K, torch.float32).to(torch.bfloat16)
             bias = torch.randn(N, generator=g).to(torch.bfloat16)
-            x = (torch.randn(130, K, generator=g) * 2).to(torch.bfloat16)
+            # (266 rows: K = 1536 takes them in blocks of 256, bf16_amx.cpp's kBlockBytes, the last of 10)
+            x = (torch.randn(266, K, generator=g) * 2).to(torch.bfloat16)
             y = cpu_kernels.quant_linear(x, packed, kind, N, bias.float(), x8=True)
             assert y.dtype == torch.bfloat16
             if N % 16 == 0:
