@@ -101,16 +101,15 @@ struct DenseRows {  // the weight itself
 
 // Weight rows [0, cols) of a unit (cols <= unit_rows(M)) against every input row: each output
 // one chain of tile multiplies over all of K, in order, + bias (fp32, cols values) -> y columns
-// [0, cols) of each row (row stride N). Where one pass of C tiles covers every input row (M <=
-// 32), the weights are asked for kChunk steps at a time, so a dequantized chunk is read back from
-// L1; otherwise for all of K at once, reused by every pass.
+// [0, cols) of each row (row stride N). The weights are asked for kChunk steps at a time, so that
+// a dequantized chunk is read back from L1.
 constexpr int64_t kChunk = 8;
 template <typename Rows>
 void unit_tiles(const Rows& src, const uint32_t* xb, const float* bias, bf16* y, int64_t M, int64_t N, int64_t K,
                 int cols) {
   const int64_t steps = K / kStep, tiles = (M + kRows - 1) / kRows;
   const int nt = (cols + kRows - 1) / kRows;
-  alignas(64) float c[4][kRows * kRows];
+  alignas(64) float c[3][kRows * kRows];  // (one input tile's sums)
   __m512 bv[3];
   for (int h = 0; h < nt; ++h)
     bv[h] = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << std::min(kRows, cols - h * kRows)) - 1), bias + h * kRows);
@@ -118,7 +117,6 @@ void unit_tiles(const Rows& src, const uint32_t* xb, const float* bias, bf16* y,
     const int rows = M - m0 < kRows ? static_cast<int>(M - m0) : kRows;
     store_transposed(ch, bv[h], y + m0 * N + h * kRows, N, rows, std::min(kRows, cols - h * kRows));
   };
-  const int64_t chunk = tiles <= 2 ? kChunk : steps;
   int64_t stride = 0;
   const bf16* w = nullptr;
   if (tiles == 1) {
@@ -126,7 +124,7 @@ void unit_tiles(const Rows& src, const uint32_t* xb, const float* bias, bf16* y,
     LANE_TILE_ZERO(1);
     LANE_TILE_ZERO(2);
     for (int64_t s = 0; s < steps; ++s) {
-      if (s % chunk == 0) w = src.rows(s, std::min(s + chunk, steps), &stride) - s * kStep;
+      if (s % kChunk == 0) w = src.rows(s, std::min(s + kChunk, steps), &stride) - s * kStep;
       const int64_t ws = stride / 2;
       LANE_TILE_LOAD(6, xb + s * kTileU32, 64);
       LANE_TILE_LOAD(4, w + s * kStep, stride);
@@ -146,37 +144,56 @@ void unit_tiles(const Rows& src, const uint32_t* xb, const float* bias, bf16* y,
     for (int h = 0; h < nt; ++h) out(h, c[h], 0);
     return;
   }
+  // K in chunks, and within a chunk every pass of two input tiles, so that each pass reads the
+  // chunk's weights from L1; with more than one pass, the sums wait in cs between chunks (fp32
+  // stored and loaded as is: the same chain). Against all of K a pass (the weights then in L2 for
+  // every pass): a 64-row FFN 15 % faster, 2048 rows 5 %.
   const bool two = nt > 1;
-  for (int64_t t = 0; t < tiles; t += 2) {
-    const bool t2 = t + 1 < tiles;
-    const uint32_t* xa = xb + t * steps * kTileU32;
-    const uint32_t* xc = xa + steps * kTileU32;
-    LANE_TILE_ZERO(0);
-    LANE_TILE_ZERO(1);
-    LANE_TILE_ZERO(2);
-    LANE_TILE_ZERO(3);
-    for (int64_t s = 0; s < steps; ++s) {
-      if (s % chunk == 0 && (t == 0 || chunk < steps)) w = src.rows(s, std::min(s + chunk, steps), &stride) - s * kStep;
-      const bf16* wb = w + kRows * (stride / 2);
-      LANE_TILE_LOAD(4, w + s * kStep, stride);
-      LANE_TILE_LOAD(6, xa + s * kTileU32, 64);
-      LANE_TILE_DPBF16PS(0, 4, 6);
-      if (two) {
-        LANE_TILE_LOAD(5, wb + s * kStep, stride);
-        LANE_TILE_DPBF16PS(1, 5, 6);
+  const int64_t passes = (tiles + 1) / 2;
+  float* cs = align64(scratch<float, 24>(passes * 4 * kRows * kRows + 16));
+  for (int64_t s0 = 0; s0 < steps; s0 += kChunk) {
+    const int64_t s1 = std::min(s0 + kChunk, steps);
+    w = src.rows(s0, s1, &stride) - s0 * kStep;
+    const bf16* wb = w + kRows * (stride / 2);
+    for (int64_t t = 0; t < tiles; t += 2) {
+      const bool t2 = t + 1 < tiles;
+      const uint32_t* xa = xb + t * steps * kTileU32;
+      const uint32_t* xc = xa + steps * kTileU32;
+      float* cp = cs + t / 2 * 4 * kRows * kRows;
+      if (s0 == 0) {
+        LANE_TILE_ZERO(0);
+        LANE_TILE_ZERO(1);
+        LANE_TILE_ZERO(2);
+        LANE_TILE_ZERO(3);
+      } else if (passes > 1) {
+        LANE_TILE_LOAD(0, cp, 64);
+        LANE_TILE_LOAD(1, cp + 256, 64);
+        LANE_TILE_LOAD(2, cp + 512, 64);
+        LANE_TILE_LOAD(3, cp + 768, 64);
       }
-      if (t2) {
-        LANE_TILE_LOAD(7, xc + s * kTileU32, 64);
-        LANE_TILE_DPBF16PS(2, 4, 7);
-        if (two) LANE_TILE_DPBF16PS(3, 5, 7);
+      for (int64_t s = s0; s < s1; ++s) {
+        LANE_TILE_LOAD(4, w + s * kStep, stride);
+        LANE_TILE_LOAD(6, xa + s * kTileU32, 64);
+        LANE_TILE_DPBF16PS(0, 4, 6);
+        if (two) {
+          LANE_TILE_LOAD(5, wb + s * kStep, stride);
+          LANE_TILE_DPBF16PS(1, 5, 6);
+        }
+        if (t2) {
+          LANE_TILE_LOAD(7, xc + s * kTileU32, 64);
+          LANE_TILE_DPBF16PS(2, 4, 7);
+          if (two) LANE_TILE_DPBF16PS(3, 5, 7);
+        }
       }
+      if (s1 < steps && passes == 1) continue;  // the sums stay in the tiles
+      LANE_TILE_STORE(0, cp, 64);
+      LANE_TILE_STORE(1, cp + 256, 64);
+      LANE_TILE_STORE(2, cp + 512, 64);
+      LANE_TILE_STORE(3, cp + 768, 64);
+      if (s1 == steps)
+        for (int b = 0; b < (t2 ? 2 : 1); ++b)
+          for (int h = 0; h < nt; ++h) out(h, cp + (2 * b + h) * kRows * kRows, (t + b) * kRows);
     }
-    LANE_TILE_STORE(0, c[0], 64);
-    if (two) LANE_TILE_STORE(1, c[1], 64);
-    if (t2) LANE_TILE_STORE(2, c[2], 64);
-    if (two && t2) LANE_TILE_STORE(3, c[3], 64);
-    for (int b = 0; b < (t2 ? 2 : 1); ++b)
-      for (int h = 0; h < nt; ++h) out(h, c[2 * b + h], (t + b) * kRows);
   }
 }
 
