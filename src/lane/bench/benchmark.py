@@ -4,7 +4,6 @@ prefix-cache and speculative-decoding figures from the server's /metrics."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import gc
 import os
 import random
@@ -16,6 +15,7 @@ import httpx2 as httpx
 from lane.bench import datasets, report, server_metrics
 from lane.bench.metrics import PERCENTILE_METRICS, calculate_metrics, parse_goodput
 from lane.bench.runner import LoadConfig, run_load
+from lane.entrypoints import event_loop
 
 
 def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -187,7 +187,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     gc.collect()
     gc.freeze()
     started = time.time()
-    outputs, duration = asyncio.run(run_load(cfg, samples))
+    outputs, duration = event_loop.run(run_load(cfg, samples))
     after = server_metrics.scrape(base_url, headers)
 
     selected = args.percentile_metrics.split(",")

@@ -206,10 +206,9 @@ def cmd_build_kernels() -> int:
 
 
 def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    import asyncio
-
     from lane import platform
     from lane.config import EngineArgsError, KVTransferConfig, SpeculativeConfig
+    from lane.entrypoints import event_loop
     from lane.entrypoints.api_server import serve
 
     if not 0 < args.port < 65536:
@@ -244,7 +243,7 @@ def cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     chat = chat_options(args, parser)
     try:
-        asyncio.run(serve(eargs, args.host, args.port, data_parallel_size=args.data_parallel_size,
+        event_loop.run(serve(eargs, args.host, args.port, data_parallel_size=args.data_parallel_size,
                           served_model_name=args.served_model_name, api_key=api_key,
                           trace_max_requests=args.trace_max_requests,
                           max_num_waiting_requests=args.max_num_waiting_requests, chat=chat))
