@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from lane import platform
 from lane.model_executor.layers import cpu_kernels
@@ -154,6 +155,31 @@ def test_x8_amx_tiles_equal_the_pair_kernel():
                         assert torch.equal(tiles, pairs), (kind, N, K, M, dtype)
     finally:
         cpu_kernels.x8_amx(True, min_rows)
+
+
+def test_x8_gate_up_tiles_apply_silu_as_the_two_kernels_do():
+    """Where the CPU has AMX-BF16, a gate_up layer's tiles apply the SiLU-and-mul as they store
+    (the fused decode step's MLP): every value equals, bit for bit, the layer's output (the same
+    tiles) run through silu_and_mul, with and without bias, for 1..266 rows (one input tile, a
+    pair, rows in more than one block at K = 1536), and a row alone equals the same row in the
+    batch; fp32 rows are not taken."""
+    assert cpu_kernels.build()
+    if not cpu_kernels.x8_bf16_amx():
+        pytest.skip("no AMX-BF16 here (or LANE_CPU_AMX=0 / LANE_CPU_X8_BF16=0): gate_up and SiLU run apart")
+    g = torch.Generator().manual_seed(11)
+    for kind in ("Q4_0", "Q4_1"):
+        for inter, K in ((48, 96), (1536, 576), (32, 1536)):
+            packed = cpu_kernels.repack_x8(random_blocks(kind, 2 * inter, K, g), kind, 2 * inter)
+            x = (torch.randn(266, K, generator=g) * 4).to(torch.bfloat16)
+            for bias in (None, torch.randn(2 * inter, generator=g)):
+                act = cpu_kernels.x8_silu_mul(x, packed, kind, inter, bias)
+                gate_up = cpu_kernels.quant_linear(x, packed, kind, 2 * inter, bias, x8=True)
+                assert torch.equal(act, cpu_kernels.silu_and_mul(gate_up)), (kind, inter, K)
+                ref = F.silu(gate_up[:, :inter].float()) * gate_up[:, inter:].float()
+                torch.testing.assert_close(act.float(), ref, atol=0.05, rtol=1e-2)
+                for m, n in ((0, 1), (3, 16), (17, 17), (40, 33)):
+                    assert torch.equal(cpu_kernels.x8_silu_mul(x[m:m + n], packed, kind, inter, bias), act[m:m + n])
+    assert cpu_kernels.x8_silu_mul(x.float(), packed, kind, inter) is None
 
 
 def test_x8_bf16_tiles_are_the_dense_tiles_on_the_dequantized_weight():

@@ -603,6 +603,22 @@ def quant_linear(x: torch.Tensor, blocks: torch.Tensor, kind: str, N: int, bias:
     return y
 
 
+def x8_silu_mul(x: torch.Tensor, packed: torch.Tensor, kind: str, inter: int,
+                bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """silu(x Wg^T) * (x Wu^T) [M, inter] for bf16 rows x on a gate_up layer W = [Wg; Wu] in
+    repack_x8's layout, in one pass on the dequantizing bf16 tiles (the fused decode step's MLP):
+    None where those tiles do not run it (then quant_linear and silu_and_mul, the same bits)."""
+    if x.dtype != torch.bfloat16:
+        return None
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], inter, dtype=torch.bfloat16)
+    done = torch.zeros(1, dtype=torch.int64)
+    b = _bias_f32(bias)
+    _lib.lane_x8_silu_mul(x.data_ptr(), packed.data_ptr(), GGML_KINDS[kind][0], None if b is None else b.data_ptr(),
+                          out.data_ptr(), x.shape[0], inter, x.shape[1], torch.get_num_threads(), done.data_ptr())
+    return out if done.item() else None
+
+
 def bind_threads(cpus: list[int]) -> None:
     """Pin OpenMP thread i (torch's pool and the kernels') to ``cpus[i]``; the caller, thread 0,
     is pinned to ``cpus[0]``. Threads it starts later inherit that one CPU: bind after loading."""

@@ -363,6 +363,22 @@ inline __m512 exp512(__m512 x) {
   const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
   return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
+
+// 16 bf16 values (words) -> fp32
+inline __m512 bf16_to_f(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+
+// silu(g) * u on 16 lanes, before rounding: one definition for the SiLU-and-mul kernel
+// (silu_mul_block) and the gate_up tiles that apply it as they store (bf16_amx.cpp). a / (1 + e)
+// is a times the reciprocal refined once (rcp14's 14 bits -> ~23), cheaper than a division
+inline __m512 silu_mul16(__m512 g, __m512 u) {
+  const __m512 one = _mm512_set1_ps(1.f);
+  // (fast_exp's range: exp512 clamps only below)
+  const __m512 x = _mm512_min_ps(_mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), g), _mm512_set1_ps(-87.f)),
+                                 _mm512_set1_ps(88.f));
+  const __m512 d = _mm512_add_ps(one, exp512(x)), q = _mm512_rcp14_ps(d);
+  const __m512 inv = _mm512_fmadd_ps(_mm512_fnmadd_ps(d, q, one), q, q);
+  return _mm512_mul_ps(_mm512_mul_ps(g, inv), u);
+}
 #endif
 
 // p rounded up to a 64-byte boundary (tile rows across two cache lines load or store at half
@@ -401,6 +417,18 @@ void parallel_for(int64_t n, int64_t grain, int threads, const F& f) {
     if (b < e) f(b, e);
   }
 }
+
+// o[r][i] = silu(g[r][i]) * u[r][i] for `rows` rows of n values (row strides ldg, ldu, ldo), in
+// fp32 and rounded to T (float, f16, bf16): defined once (elementwise.cpp), for the SiLU-and-mul
+// kernel and the gate_up tiles that apply it as they store (bf16_amx.cpp), so a value comes out
+// the same bits either way
+template <typename T>
+void silu_mul_block(const T* g, int64_t ldg, const T* u, int64_t ldu, T* o, int64_t ldo, int64_t rows, int64_t n);
+#if defined(__AVX512F__)
+template <>
+void silu_mul_block<bf16>(const bf16* g, int64_t ldg, const bf16* u, int64_t ldu, bf16* o, int64_t ldo, int64_t rows,
+                          int64_t n);  // (explicit vectors)
+#endif
 
 // Item k of n in an order whose every contiguous range mixes both ends (0, n - 1, 1, n - 2, ...):
 // split into parallel_for's contiguous ranges, work that grows with the index (a prefill's

@@ -27,6 +27,7 @@ void lane_quant_linear(const void*, int, const void*, int, const float*, void*, 
 void lane_quant_x8_linear(const void*, int, const uint8_t*, int, const float*, void*, int, int64_t, int64_t, int64_t,
                           int);
 void lane_kquant_linear(const void*, int, const void*, int, const float*, void*, int, int64_t, int64_t, int64_t, int);
+bool lane_x8_bf16_amx_silu_mul(const void*, const uint8_t*, int, const float*, void*, int64_t, int64_t, int64_t, int);
 }
 
 namespace {
@@ -163,8 +164,13 @@ extern "C" void lane_llama_decode_layers(const int64_t* model, const int64_t* la
     clock.mark(kOProj);
     lane_rms_norm_(x, residual, ptr<const void>(l.post_norm), dtype, T, m.hidden, eps, threads);
     clock.mark(kInputNorm);
-    linear(l.gate_up, x, dtype, gate_up, T, threads);
-    lane_silu_and_mul(gate_up, act, dtype, T, m.inter, threads);
+    // bf16 rows on x8 Q4 blocks with AMX: the gate_up tiles apply the SiLU-and-mul as they store
+    if (!(l.gate_up.format == kX8 && dtype == kBF16 &&
+          lane_x8_bf16_amx_silu_mul(x, ptr<const uint8_t>(l.gate_up.w), static_cast<int>(l.gate_up.code),
+                                    ptr<const float>(l.gate_up.bias), act, T, m.inter, l.gate_up.K, threads))) {
+      linear(l.gate_up, x, dtype, gate_up, T, threads);
+      lane_silu_and_mul(gate_up, act, dtype, T, m.inter, threads);
+    }
     linear(l.down, act, dtype, x, T, threads);
     clock.mark(kFfn);
   }
