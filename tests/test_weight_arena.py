@@ -38,7 +38,7 @@ def test_weights_move_into_one_arena_and_keep_their_values_and_sharing():
            [m.table.data_ptr() for m in model] + [model[0].shared.data_ptr()]
     lo = min(ptrs)
     assert lo % (2 << 20) == 0 and max(ptrs) - lo < moved  # one arena, from a huge page's boundary
-    assert model[0].shared.data_ptr() == model[1].shared.data_ptr()  # still one tensor for both
+    assert model[0].shared is model[1].shared  # still one tensor for both
     assert isinstance(model[0].proj.weight, nn.Parameter)
     assert model[0].proj.bias.data_ptr() == small_ptr and model[1].view.data_ptr() == view_ptr
     for m, y in zip(model, before):

@@ -77,7 +77,8 @@ def move_weights_to_huge_pages(model: nn.Module) -> int:
         first = holders[0][0]
         place = arena[offset:offset + first.untyped_storage().nbytes()]
         place.copy_(first.view(-1).view(torch.uint8))
-        for t, put in holders:  # (each holder's own dtype and shape of the same bytes)
-            put(place.view(t.dtype).view(t.shape))
+        views: dict[int, torch.Tensor] = {}  # one new tensor for each old one: who shared a tensor still does
+        for t, put in holders:  # (each its own dtype and shape of the same bytes)
+            put(views.setdefault(id(t), place.view(t.dtype).view(t.shape)))
         offset += size
     return total
