@@ -186,10 +186,10 @@ def test_x8_bf16_tiles_are_the_dense_tiles_on_the_dequantized_weight():
     """Where the CPU has AMX-BF16, bf16 rows on x8 Q4_0 / Q4_1 blocks run on bf16 tiles, each unit
     of weight rows dequantized per call: every output equals, bit for bit, the dense bf16 tiles'
     on the weight dequantized to bf16 (d q + m in fp32, rounded once) with the same bias, for one
-    row, a tile, a tile and one, and many (both unit shapes, the K chunks and the full strip, rows in
-    more than one block); a row alone equals the same row in any batch; N not a multiple of 16 (a unit's last tile half
-    empty) stays within bf16 rounding of fp32; the int8 kernels still run fp32 rows, and the bf16
-    rows of a layer that asks for them (quant_linear's int8: MoE experts)."""
+    row, a tile, a tile and one, and many (both unit shapes, the K chunks, rows in more than one
+    block); a row alone equals the same row in any batch; N not a multiple of 16 (a unit's last
+    tile half empty) stays within bf16 rounding of fp32; the int8 kernels still run fp32 rows, and
+    the bf16 rows of a layer that asks for them (quant_linear's int8: MoE experts)."""
     assert cpu_kernels.build()
     if not cpu_kernels.x8_bf16_amx():
         pytest.skip("no AMX-BF16 here (or LANE_CPU_AMX=0 / LANE_CPU_X8_BF16=0): the int8 kernels run bf16 rows")

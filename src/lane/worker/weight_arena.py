@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import sys
+import time
 
 import torch
 from torch import nn
@@ -39,7 +40,7 @@ def _slots(model: nn.Module):
     """(tensor, put) for every tensor a module holds: parameters, buffers, tensor attributes and
     a fused layer's GGUF parts; put(new) makes the holder hold new instead."""
     for m in model.modules():
-        for name, p in m._parameters.items():
+        for p in m._parameters.values():
             if p is not None:
                 yield p.data, (lambda new, p=p: setattr(p, "data", new))
         for name, b in m._buffers.items():
@@ -57,6 +58,7 @@ def move_weights_to_huge_pages(model: nn.Module) -> int:
     huge pages (Linux; elsewhere nothing moves); returns the bytes moved."""
     if not sys.platform.startswith("linux"):
         return 0
+    t0 = time.monotonic()
     groups: dict[int, list] = {}  # storage address -> its holders' (tensor, put)
     for t, put in _slots(model):
         if t.numel() * t.element_size() >= _MIN_BYTES and _owned(t):
@@ -70,8 +72,8 @@ def move_weights_to_huge_pages(model: nn.Module) -> int:
     arena = raw[start:start + total]
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    if libc.madvise(arena.data_ptr(), -(-total // _HUGE) * _HUGE, _MADV_HUGEPAGE) != 0:
-        logger.debug("madvise(MADV_HUGEPAGE) failed (errno %d): the weights stay on 4 KiB pages", ctypes.get_errno())
+    advised = libc.madvise(arena.data_ptr(), -(-total // _HUGE) * _HUGE, _MADV_HUGEPAGE) == 0
+    errno = ctypes.get_errno()
     offset = 0
     for holders, size in zip(groups.values(), sizes):
         first = holders[0][0]
@@ -81,4 +83,6 @@ def move_weights_to_huge_pages(model: nn.Module) -> int:
         for t, put in holders:  # (each its own dtype and shape of the same bytes)
             put(views.setdefault(id(t), place.view(t.dtype).view(t.shape)))
         offset += size
+    logger.info("Weights: %.1f MiB moved into one arena in %.2f s, %s", total / 2**20, time.monotonic() - t0,
+                "on transparent huge pages" if advised else f"on 4 KiB pages (madvise: errno {errno})")
     return total

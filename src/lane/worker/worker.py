@@ -79,10 +79,7 @@ class Worker:
         self.num_packed = prepack_linears(self.model)
         kernels_in_float32(self.model)
         if on_cpu:  # (after packing: the packed blocks are what the steps read)
-            t0 = time.monotonic()
-            moved = move_weights_to_huge_pages(self.model)
-            logger.info("Weights on huge pages: %.1f MiB moved into one arena in %.2f s", moved / 2**20,
-                        time.monotonic() - t0)
+            move_weights_to_huge_pages(self.model)
         self.runner = ModelRunner(self.model, config.cache_config.block_size, mc.dtype, mc.device_type,
                                   config.cache_config.enable_prefix_caching, mc.eos_token_ids, spec,
                                   config.scheduler_config.max_model_len, config.cache_config.kv_cache_dtype)

@@ -112,11 +112,12 @@ struct StoreRows {
 struct SiluRows {
   bf16* act;
   int64_t ld;
-  const float* bias;  // gate's 16, then up's 16 (or null)
+  const float *bias_gate, *bias_up;  // the unit's 16 of each (or null)
   void operator()(const float* const* c, int64_t m0, int rows) const {
     __m512 v[16];
     for (int n = 0; n < kRows; ++n) {
-      const __m512 bg = _mm512_set1_ps(bias ? bias[n] : 0.f), bu = _mm512_set1_ps(bias ? bias[kRows + n] : 0.f);
+      const __m512 bg = _mm512_set1_ps(bias_gate ? bias_gate[n] : 0.f);
+      const __m512 bu = _mm512_set1_ps(bias_up ? bias_up[n] : 0.f);
       const __m512 g = bf16_to_f(round_bf16(_mm512_add_ps(_mm512_load_ps(c[0] + kRows * n), bg)));
       const __m512 u = bf16_to_f(round_bf16(_mm512_add_ps(_mm512_load_ps(c[1] + kRows * n), bu)));
       v[n] = silu_mul16(g, u);
@@ -359,7 +360,7 @@ void tiles_linear(const void* x, int64_t M, int64_t K, int threads, const Units&
 }
 
 // y [M, N] = x [M, K] . W^T + bias (fp32, or null), x and y bf16, W's rows as rows_of(n0, cols)
-// gives each unit's (DenseRows, QuantRows): units of unit_rows(M) weight rows
+// gives each unit's (DenseRows, QuantRows): units of unit_rows(rows in the block) weight rows
 template <typename RowsOf>
 void tiles_linear_rows(const void* x, const RowsOf& rows_of, const float* bias, void* y, int64_t M, int64_t N,
                        int64_t K, int threads) {
@@ -427,9 +428,8 @@ extern "C" bool lane_x8_bf16_amx_silu_mul(const void* x, const uint8_t* w, int q
   tiles_linear(x, M, K, threads, [&](int64_t) { return I / kRows; },
                [&](int64_t u, const uint32_t* xr, int64_t m0, int64_t mb) {
                  const int64_t j0 = u * kRows;
-                 alignas(64) float b[2 * kRows] = {};
-                 if (bias) std::memcpy(b, bias + j0, sizeof(float) * kRows), std::memcpy(b + kRows, bias + I + j0, sizeof(float) * kRows);
-                 const SiluRows emit{static_cast<bf16*>(act) + m0 * I + j0, I, bias ? b : nullptr};
+                 const SiluRows emit{static_cast<bf16*>(act) + m0 * I + j0, I, bias ? bias + j0 : nullptr,
+                                     bias ? bias + I + j0 : nullptr};
                  const GateUpRows rows{w, qtype, j0 / kX8Rows, (I + j0) / kX8Rows, K,
                                        align64(scratch<bf16, 1>(3 * kRows * K + 32))};
                  unit_tiles(rows, xr, mb, K, 2 * kRows, emit);
