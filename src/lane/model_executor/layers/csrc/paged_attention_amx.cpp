@@ -55,17 +55,38 @@ inline float fold16(__m512 v) {
   return _mm_cvtss_f32(_mm_add_ss(c, _mm_movehdup_ps(c)));
 }
 
+// A decode row's next V blocks (step j + 1's), asked for a few lines at a time while step j
+// computes (attend_step calls ask between its parts). Over a cache in DRAM the step waits on
+// misses: asked for all at once they fill the core's line fill buffers and stall it, and asked
+// for only while V is packed (as K still is), the memory idles while the tiles work
+// (decode_attention.py's 64 rows at 300 keys, blocks in order / anywhere: 23.5 / 29.7 -> 22.3 /
+// 26.0 ms; in-engine, a 64-row step's attention 24.7-26.9 -> 22.5-23.6 ms).
+template <int64_t D>
+struct NextV {
+  static constexpr int64_t kLines = kBS * D * 2 / 64;  // a block's
+  const char* block[2] = {nullptr, nullptr};
+  int64_t line = 2 * kLines;  // none to ask for
+  void ask(int64_t lines) {
+    for (const int64_t end = std::min(2 * kLines, line + lines); line < end; ++line)
+      if (block[line / kLines]) _mm_prefetch(block[line / kLines] + line % kLines * 64, _MM_HINT_T1);
+  }
+};
+
 // Step j's keys of KV head h (block table `table`, context L): its two K blocks as A tiles in kb
 // (nullptr past L): the cache's own rows (row stride D), or with kdst, copied there as tiles of
-// 64-byte rows ([block][D / 32][key][32 dims]); and its V as B tiles ([D / 16], each 16 key pairs
-// x 16 dims: keys 2i, 2i + 1 interleaved value by value) in dst, keys at or past L zeros. Either
-// way of K gives the tiles the same values; the copy only makes a chunk's loads dense. With
-// prefetch, step j + 1's blocks are asked for a sixteenth at a time along the packing: all at
-// once, the misses queue up behind each other, and a decode row over a cache in DRAM waits on
-// them (decode_attention.py's 64 rows: 14 against ~11 GB/s).
+// 64-byte rows ([block][D / 32][key][32 dims]); and its V as B tiles in dst, keys at or past L
+// zeros: [D / 16] tiles, each 16 key pairs x 16 dims, keys 2i, 2i + 1 interleaved value by value
+// (one unpack of two rows: a tile's 16 columns are the dims 32c + {0-3, 8-11, 16-19, 24-27} or
+// {4-7, ...}, which Lanes::finish puts back in order; a column's sums do not depend on where it
+// is). Either way of K gives the tiles the same values; the copy only makes a chunk's loads
+// dense. With prefetch, step j + 1's blocks are asked for a sixteenth at a time along the
+// packing: all at once, the misses queue up behind each other, and a decode row over a cache in
+// DRAM waits on them (decode_attention.py's 64 rows: 14 against ~11 GB/s). With vnext, only K's
+// are: V's first lines (their pages walked early), the rest left to vnext.ask.
 template <int64_t D>
 void step_blocks(const uint16_t* kc, const uint16_t* vc, const int64_t* table, int64_t L, int64_t j, int64_t h,
-                 int64_t KVH, const uint16_t** kb, uint32_t* dst, uint32_t* kdst = nullptr, bool prefetch = false) {
+                 int64_t KVH, const uint16_t** kb, uint32_t* dst, uint32_t* kdst = nullptr, bool prefetch = false,
+                 NextV<D>* vnext = nullptr) {
   const uint16_t* vb[2] = {nullptr, nullptr};
   const char* next[4] = {nullptr, nullptr, nullptr, nullptr};  // step j + 1's K and V blocks
   int64_t n[2];
@@ -81,6 +102,7 @@ void step_blocks(const uint16_t* kc, const uint16_t* vc, const int64_t* table, i
       next[2 * b] = reinterpret_cast<const char*>(kc + base), next[2 * b + 1] = reinterpret_cast<const char*>(vc + base);
     }
   }
+  if (vnext) *vnext = NextV<D>{{next[1], next[3]}, 0};
   for (int b = 0; kdst && b < 2; ++b) {  // K as A tiles of 64-byte rows ([D / 32][key][32 dims])
     if (!kb[b]) continue;
     for (int64_t c = 0; c < D / 32; ++c)
@@ -88,18 +110,17 @@ void step_blocks(const uint16_t* kc, const uint16_t* vc, const int64_t* table, i
         _mm512_store_si512(kdst + (b * (D / 32) + c) * kTile + 16 * t, _mm512_loadu_si512(kb[b] + t * D + 32 * c));
     kb[b] = reinterpret_cast<const uint16_t*>(kdst + b * (D / 32) * kTile);
   }
-  alignas(64) static const uint16_t lo_idx[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
-                                                  8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-  const __m512i lo = _mm512_load_si512(lo_idx), hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
   for (int64_t k2 = 0; k2 < 16; ++k2) {  // keys 2 k2, 2 k2 + 1: block k2 / 8, rows t, t + 1
     const int b = static_cast<int>(k2 / 8), t = static_cast<int>(2 * (k2 % 8));
-    for (int q = 0; q < 4; ++q)  // a sixteenth of the next step's blocks
+    for (int q = 1; vnext && k2 == 0 && q < 4; q += 2)
+      if (next[q]) _mm_prefetch(next[q], _MM_HINT_T1);
+    for (int q = 0; q < 4; q += vnext ? 2 : 1)  // a sixteenth of the next step's blocks (K's only, with vnext)
       for (int64_t i = 0; next[q] && i < D * 2; i += 64) _mm_prefetch(next[q] + k2 * D * 2 + i, _MM_HINT_T1);
     for (int64_t c = 0; c < D / 32; ++c) {
       const __m512i x = t < n[b] ? _mm512_loadu_si512(vb[b] + t * D + 32 * c) : _mm512_setzero_si512();
       const __m512i y = t + 1 < n[b] ? _mm512_loadu_si512(vb[b] + (t + 1) * D + 32 * c) : _mm512_setzero_si512();
-      _mm512_store_si512(dst + (2 * c) * kTile + 16 * k2, _mm512_permutex2var_epi16(x, lo, y));
-      _mm512_store_si512(dst + (2 * c + 1) * kTile + 16 * k2, _mm512_permutex2var_epi16(x, hi, y));
+      _mm512_store_si512(dst + (2 * c) * kTile + 16 * k2, _mm512_unpacklo_epi16(x, y));
+      _mm512_store_si512(dst + (2 * c + 1) * kTile + 16 * k2, _mm512_unpackhi_epi16(x, y));
     }
   }
 }
@@ -135,11 +156,17 @@ struct Lanes {
   }
   int64_t steps() const { return (*std::max_element(lens, lens + n) + kKeys - 1) / kKeys; }
   void finish() {
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
     for (int64_t r = 0; r < n; ++r) {
       const __m512 inv = _mm512_set1_ps(1.f / l[r]);
-      for (int64_t d = 0; d < D; d += 16)
+      for (int64_t d = 0; d < D; d += 32) {  // the V tiles' columns back in dim order
+        const __m512 a = _mm512_load_ps(acc + r * D + d), b = _mm512_load_ps(acc + r * D + d + 16);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(out[r] + d),
-                            round_bf16(_mm512_mul_ps(_mm512_load_ps(acc + r * D + d), inv)));
+                            round_bf16(_mm512_mul_ps(_mm512_permutex2var_ps(a, first, b), inv)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out[r] + d + 16),
+                            round_bf16(_mm512_mul_ps(_mm512_permutex2var_ps(a, second, b), inv)));
+      }
     }
   }
 };
@@ -152,7 +179,7 @@ struct Lanes {
 // either way, so a lane's output does not depend on which way its tile took
 template <int64_t D>
 __attribute__((noinline)) void attend_step(Lanes<D>& ln, const uint16_t* const* kb, int64_t kstep, int64_t kstride,
-                                           const uint32_t* vt, int64_t j, float scale) {
+                                           const uint32_t* vt, int64_t j, float scale, NextV<D>& vnext) {
   alignas(64) float s[kKeys * kLanes];
   alignas(64) float o[kLanes * D];
   LANE_TILE_ZERO(0);
@@ -170,6 +197,8 @@ __attribute__((noinline)) void attend_step(Lanes<D>& ln, const uint16_t* const* 
   }
   LANE_TILE_STORE(0, s, 64);
   LANE_TILE_STORE(1, s + kBS * kLanes, 64);
+  constexpr int64_t kShare = NextV<D>::kLines / 4;  // of the next V's lines, asked for at each part
+  vnext.ask(2 * kShare);
   const __m512 vs = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
   const __m512 m_old = _mm512_load_ps(ln.m);
   const int32_t k0 = static_cast<int32_t>(kKeys * j);
@@ -184,6 +213,7 @@ __attribute__((noinline)) void attend_step(Lanes<D>& ln, const uint16_t* const* 
     alignas(64) float mr[kLanes], sr[kLanes];
     for (int64_t r = 0; r < ln.n; ++r) {
       const int32_t left = ln.lens[r] - k0;
+      vnext.ask(kShare);
       if (left <= 0) continue;
       active |= static_cast<__mmask16>(1u << r);
       const __mmask16 sa = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(left), iota);
@@ -239,10 +269,12 @@ __attribute__((noinline)) void attend_step(Lanes<D>& ln, const uint16_t* const* 
   LANE_TILE_LOAD(5, ln.pa, 64);
   for (int64_t c = 0; c < D / 16; ++c) {
     LANE_TILE_ZERO(7);
+    vnext.ask(kShare);
     LANE_TILE_LOAD(6, vt + c * kTile, 64);
     LANE_TILE_DPBF16PS(7, 5, 6);
     LANE_TILE_STORE(7, o + 16 * c, D * 4);
   }
+  vnext.ask(2 * NextV<D>::kLines);  // the rest
   for (int64_t r = 0; r < ln.n; ++r) {
     if (!((active >> r) & 1)) continue;
     const __m512 cv = _mm512_set1_ps(cs[r]);
@@ -285,8 +317,9 @@ void attend(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int
         const int64_t n = ln[0].steps();
         for (int64_t j = 0; j < n; ++j) {
           for (int64_t i = 0; i < nh; ++i) {
-            step_blocks<D>(kc, vc, tables + b * MB, lens[b], j, h0 + i, KVH, kb, vt, nullptr, true);
-            attend_step<D>(ln[i], kb, 32, D * 2, vt, j, scale);
+            NextV<D> vnext;
+            step_blocks<D>(kc, vc, tables + b * MB, lens[b], j, h0 + i, KVH, kb, vt, nullptr, true, &vnext);
+            attend_step<D>(ln[i], kb, 32, D * 2, vt, j, scale, vnext);
           }
         }
         for (int64_t i = 0; i < nh; ++i) ln[i].finish();
@@ -309,6 +342,7 @@ void attend(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int
   parallel_for(groups * KVH, 1, threads, [&](int64_t begin, int64_t end) {
     tile_configure_full();
     Lanes<D> ln;
+    NextV<D> none;  // (a chunk's blocks were packed up front)
     for (int64_t k = begin; k < end; ++k) {
       const int64_t item = zigzag(k, groups * KVH), b0 = item / KVH * R, h = item % KVH;
       ln.n = std::min(R, B - b0) * G;
@@ -321,7 +355,7 @@ void attend(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int
       ln.start();
       for (int64_t j = 0, n = ln.steps(); j < n; ++j) {
         const int64_t u = h * steps + j;
-        attend_step<D>(ln, blocks + 2 * u, 2 * kTile, 64, packed + u * words + kwords, j, scale);
+        attend_step<D>(ln, blocks + 2 * u, 2 * kTile, 64, packed + u * words + kwords, j, scale, none);
       }
       ln.finish();
     }
