@@ -53,6 +53,44 @@ def test_8bit_paged_attention_equals_attention_over_the_dequantized_cache(fp8, d
     assert torch.allclose(got.float(), ref, atol=tol)
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["int8", "fp8_e4m3"])
+def test_8bit_cache_on_amx_tiles_chunk_rows_equal_decode_rows(fp8):
+    """bf16 rows over an 8-bit cache on the AMX tiles (where the CPU has them): each block
+    dequantized to bf16 as it is packed, so the rows are within bf16 rounding of a float64
+    softmax over the dequantized cache, and a prefill chunk's rows (one table, each at its own
+    context length) are bit for bit the rows a decode step gives, alone or in a batch big enough
+    that a request's KV heads go through the context together."""
+    assert cpu_kernels.build()
+    if not cpu_kernels.attention_amx():
+        pytest.skip("no AMX-BF16 here (or LANE_CPU_AMX=0): 8-bit attention runs the vector kernel")
+    g = torch.Generator().manual_seed(5)
+    for H, KVH, D in ((9, 3, 64), (16, 1, 128)):
+        nb, n = 24, 90
+        k, v = torch.randn(nb * 16, KVH, D, generator=g) * 3, torch.randn(nb * 16, KVH, D, generator=g)
+        store = torch.uint8 if fp8 else torch.int8
+        kc, vc = torch.zeros(nb, KVH, 16, D, dtype=store), torch.zeros(nb, KVH, 16, D, dtype=store)
+        ks, vs = torch.zeros(nb, KVH, 16), torch.zeros(nb, KVH, 16)
+        cpu_kernels.cache_write_8bit(k.to(torch.bfloat16), v.to(torch.bfloat16), kc, vc, ks, vs,
+                                     torch.arange(nb * 16), fp8)
+        ids = torch.randperm(nb, generator=g)[:6]
+        q = torch.randn(n, H, D, generator=g).to(torch.bfloat16)
+        lens = torch.arange(1, n + 1, dtype=torch.int32)
+        rows = cpu_kernels.decode_attention_8bit(q, kc, vc, ks, vs, ids, lens, 0.125, fp8)
+        kd = dequantize_8bit(kc, ks, fp8)[ids].permute(1, 0, 2, 3).reshape(KVH, -1, D).double()
+        vd = dequantize_8bit(vc, vs, fp8)[ids].permute(1, 0, 2, 3).reshape(KVH, -1, D).double()
+        for i in range(0, n, 7):
+            s = torch.einsum("hgd,hld->hgl", q[i].double().view(KVH, -1, D), kd[:, :i + 1]) * 0.125
+            ref = torch.einsum("hgl,hld->hgd", torch.softmax(s, -1), vd[:, :i + 1]).reshape(H, D)
+            torch.testing.assert_close(rows[i].double(), ref, atol=3e-2, rtol=3e-2)
+        for i in (0, 31, 32, 57, 89):
+            alone = cpu_kernels.decode_attention_8bit(q[i:i + 1], kc, vc, ks, vs, ids[None], lens[i:i + 1], 0.125, fp8)
+            assert torch.equal(alone, rows[i:i + 1]), (H, D, i)
+        pick = torch.arange(0, n, 3)
+        batch = cpu_kernels.decode_attention_8bit(q[pick], kc, vc, ks, vs, ids.expand(len(pick), -1).contiguous(),
+                                                  lens[pick], 0.125, fp8)
+        assert torch.equal(batch, rows[pick]), (H, D)
+
+
 @pytest.fixture(scope="module")
 def smollm_fp32():
     kw = dict(dtype="float32", quantization="none", show_progress=False, max_model_len=1024,

@@ -56,6 +56,19 @@ def test_smollm_fused_mixed_steps_are_the_module_path(smollm_gguf, monkeypatch):
     assert plan.mixed_steps > 0
 
 
+@pytest.mark.parametrize("kv", ["int8", "fp8_e4m3"])
+def test_smollm_fused_steps_over_an_8bit_cache_are_the_module_path(smollm_gguf, kv, monkeypatch):
+    """C8: the fused step writes the 8-bit cache and attends it (decode rows and chunk rows) with
+    the module path's kernels, so the same tokens and logprobs, bit for bit."""
+    llm = LLM(smollm_gguf, dtype="bfloat16", quantization="auto", show_progress=False, max_model_len=1024,
+              kv_cache_memory_bytes=64 << 20, enable_prefix_caching=False, max_num_batched_tokens=16,
+              kv_cache_dtype=kv)
+    assert llm.engine.worker.model.model.layers[0].self_attn.attn.k_cache.element_size() == 1
+    prompts = [{"prompt_token_ids": list(range(100, 100 + n))} for n in (5, 61, 37)]
+    plan = fused_against_modules(llm, prompts, monkeypatch)
+    assert plan.cache_kind == {"int8": 1, "fp8_e4m3": 2}[kv] and plan.mixed_steps > 0
+
+
 def test_kquant_and_dense_layers_fused(kquant_gguf, monkeypatch):  # noqa: F811
     llm = LLM(kquant_gguf, dtype="float32", quantization="auto", show_progress=False, max_model_len=256,
               kv_cache_memory_bytes=16 << 20, enable_prefix_caching=False)

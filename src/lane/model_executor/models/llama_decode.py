@@ -28,6 +28,7 @@ ENABLED = os.environ.get("LANE_FUSED_DECODE", "1") != "0"
 PIECE_STEPS = (Step.OPS_INPUT_NORM, Step.MODEL_QKV_PROJ, Step.OPS_KV_WRITE, Step.OPS_ATTENTION,
                Step.COMM_ATTN_REDUCE, Step.OPS_FFN)
 _DENSE, _BLOCKS, _X8, _KQUANT, _PARTS = range(5)
+_CACHE_KINDS = {"auto": 0, "int8": 1, "fp8_e4m3": 2}  # decode_layers.cpp's CacheKind
 
 
 class Unsupported(Exception):
@@ -85,7 +86,8 @@ class FusedDecode:
             at = layer.self_attn
             if type(at.attn) is not Attention or at.qk_norm or not at.attn.k_cache.numel():
                 raise Unsupported("an attention other than the paged one (or no cache yet)")
-            if at.attn.k_cache.dtype != dtype or not at.attn.k_cache.is_contiguous():
+            c8 = at.attn.kv_cache_dtype != "auto"
+            if (not c8 and at.attn.k_cache.dtype != dtype) or not at.attn.k_cache.is_contiguous():
                 raise Unsupported("a cache of another dtype")
             norms = [n.weight.detach().to(dtype).contiguous() for n in
                      (layer.input_layernorm, layer.post_attention_layernorm)]
@@ -97,15 +99,20 @@ class FusedDecode:
                 rows.append(n)
                 quantized |= lin.qweight is not None or lin.qparts is not None
             rec += [at.attn.k_cache.data_ptr(), at.attn.v_cache.data_ptr()]
+            rec += [at.attn.k_scale.data_ptr(), at.attn.v_scale.data_ptr()] if c8 else [0, 0]
             recs.append(rec)
         if dtype == torch.float32 and not quantized:
             # float32 dense keeps torch's norms and rope, bit-comparable with HF
             raise Unsupported("float32 dense weights")
         self.max_rows = min(rows)
+        # C8 (--kv-cache-dtype int8 / fp8_e4m3): the module path's 8-bit cache write and attention
+        self.cache_kind = _CACHE_KINDS[a0.attn.kv_cache_dtype]
+        fp8_table = cpu_kernels.fp8_e4m3_table()
+        keep.append(fp8_table)
         self.model_rec = torch.tensor([len(layers), layers[0].input_layernorm.weight.numel(), a0.num_heads,
                                        a0.num_kv_heads, a0.head_dim, layers[0].mlp.down_proj.in_features,
                                        rot.rotary_dim, a0.attn.k_cache.shape[2], rot.cos.data_ptr(),
-                                       rot.sin.data_ptr()], dtype=torch.int64)
+                                       rot.sin.data_ptr(), self.cache_kind, fp8_table.data_ptr()], dtype=torch.int64)
         self.layer_recs = torch.tensor(recs, dtype=torch.int64)
         self.keep = keep
         self.caches = (layers[0].self_attn.attn.k_cache.data_ptr(), layers[-1].self_attn.attn.v_cache.data_ptr())
@@ -154,7 +161,8 @@ class FusedDecode:
             if span.query_start != row:
                 return False
             row = span.query_end
-        return row == x.shape[0] and (not m.prefills or prefill_rows_for(x, self.k_cache))
+        # (over an 8-bit cache the module path attends every chunk row by row)
+        return row == x.shape[0] and (not m.prefills or self.cache_kind != 0 or prefill_rows_for(x, self.k_cache))
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, md: PagedAttentionMetadata):
         """x [T, hidden] (the embeddings) -> (x, residual) after the last layer."""

@@ -22,6 +22,11 @@ void lane_paged_decode_attention(const void*, const void*, const void*, int, con
                                  int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, int);
 void lane_cache_write(const void*, const void*, int64_t, int64_t, void*, void*, const int64_t*, int, int64_t, int64_t,
                       int64_t, int64_t);
+void lane_paged_decode_attention_q8(const void*, const void*, const void*, const float*, const float*, const float*, int,
+                                    int, const int64_t*, const int32_t*, void*, int64_t, int64_t, int64_t, int64_t,
+                                    int64_t, int64_t, float, int);
+void lane_cache_write_q8(const void*, const void*, int64_t, int64_t, void*, void*, float*, float*, const int64_t*, int,
+                         int, int64_t, int64_t, int64_t, int64_t);
 void lane_small_m_linear(const void*, int, const void*, int, const void*, void*, int64_t, int64_t, int64_t, int);
 void lane_quant_linear(const void*, int, const void*, int, const float*, void*, int, int64_t, int64_t, int64_t, int);
 void lane_quant_x8_linear(const void*, int, const uint8_t*, int, const float*, void*, int, int64_t, int64_t, int64_t,
@@ -42,16 +47,19 @@ enum Format : int64_t { kDense = 0, kBlocks = 1, kX8 = 2, kKQuant = 3, kParts = 
 struct LinearRec {
   int64_t format, w, code, bias, N, K;
 };
-// A layer's record: the two norms' weights, the four linears, the K and V caches
+// A layer's record: the two norms' weights, the four linears, the K and V caches and, for an
+// 8-bit cache, their scales
 struct LayerRec {
   int64_t in_norm, post_norm;
   LinearRec qkv, o, gate_up, down;
-  int64_t k_cache, v_cache;
+  int64_t k_cache, v_cache, k_scale, v_scale;
 };
 // The model's: layers, hidden, heads, kv heads, head dim, intermediate, rotary dim, block
-// size, rope cos / sin tables (fp32 [max_pos, rotary dim])
+// size, rope cos / sin tables (fp32 [max_pos, rotary dim]), the cache's storage (kModelDtype, or
+// C8: kInt8 / kFp8, with the fp8 bytes' float table)
+enum CacheKind : int64_t { kModelDtype = 0, kInt8 = 1, kFp8 = 2 };
 struct ModelRec {
-  int64_t layers, hidden, heads, kv_heads, head_dim, inter, rotary_dim, block_size, cos, sin;
+  int64_t layers, hidden, heads, kv_heads, head_dim, inter, rotary_dim, block_size, cos, sin, cache_kind, fp8_table;
 };
 
 template <typename P>
@@ -146,19 +154,33 @@ extern "C" void lane_llama_decode_layers(const int64_t* model, const int64_t* la
     lane_rotary_(qkv + q_size * es, dtype, T, qkv_size, KVH, D, positions, ptr<const float>(m.cos),
                  ptr<const float>(m.sin), m.rotary_dim, threads);
     clock.mark(kQkv);
-    lane_cache_write(qkv + q_size * es, qkv + (q_size + kv_size) * es, qkv_size, qkv_size, ptr<void>(l.k_cache),
-                     ptr<void>(l.v_cache), slots, dtype, T, KVH, D, m.block_size);
+    const bool c8 = m.cache_kind != kModelDtype;
+    const int fp8 = m.cache_kind == kFp8;
+    if (c8)
+      lane_cache_write_q8(qkv + q_size * es, qkv + (q_size + kv_size) * es, qkv_size, qkv_size, ptr<void>(l.k_cache),
+                          ptr<void>(l.v_cache), ptr<float>(l.k_scale), ptr<float>(l.v_scale), slots, dtype, fp8, T, KVH,
+                          D, m.block_size);
+    else
+      lane_cache_write(qkv + q_size * es, qkv + (q_size + kv_size) * es, qkv_size, qkv_size, ptr<void>(l.k_cache),
+                       ptr<void>(l.v_cache), slots, dtype, T, KVH, D, m.block_size);
     clock.mark(kKvWrite);
     for (int64_t t = 0; t < T; ++t) std::memcpy(q + t * q_size * es, qkv + t * qkv_size * es, q_size * es);
-    if (B > 0)
-      lane_paged_decode_attention(q, ptr<const void>(l.k_cache), ptr<const void>(l.v_cache), dtype, block_tables,
-                                  context_lens, attn, B, H, KVH, D, m.block_size, MB, scale, threads);
-    for (int64_t s = 0, r = 0; s < S; r += spans[4 * s + 1], ++s) {
-      const int64_t row = spans[4 * s];
-      lane_paged_decode_attention(q + row * q_size * es, ptr<const void>(l.k_cache), ptr<const void>(l.v_cache),
-                                  dtype, ptr<const int64_t>(spans[4 * s + 3]), span_lens + r, attn + row * q_size * es,
-                                  spans[4 * s + 1], H, KVH, D, m.block_size, 0, scale, threads);
-    }
+    // rows [r0, r0 + n) of q on block tables `tables` (MB columns; 0: one table for all)
+    auto attend = [&](int64_t r0, int64_t n, const int64_t* tables, const int32_t* lens, int64_t mb) {
+      const char* qr = q + r0 * q_size * es;
+      char* out = attn + r0 * q_size * es;
+      if (c8)
+        lane_paged_decode_attention_q8(qr, ptr<const void>(l.k_cache), ptr<const void>(l.v_cache),
+                                       ptr<const float>(l.k_scale), ptr<const float>(l.v_scale),
+                                       ptr<const float>(m.fp8_table), fp8, dtype, tables, lens, out, n, H, KVH, D,
+                                       m.block_size, mb, scale, threads);
+      else
+        lane_paged_decode_attention(qr, ptr<const void>(l.k_cache), ptr<const void>(l.v_cache), dtype, tables, lens,
+                                    out, n, H, KVH, D, m.block_size, mb, scale, threads);
+    };
+    if (B > 0) attend(0, B, block_tables, context_lens, MB);
+    for (int64_t s = 0, r = 0; s < S; r += spans[4 * s + 1], ++s)
+      attend(spans[4 * s], spans[4 * s + 1], ptr<const int64_t>(spans[4 * s + 3]), span_lens + r, 0);
     clock.mark(kAttention);
     linear(l.o, attn, dtype, x, T, threads);
     clock.mark(kOProj);

@@ -15,6 +15,9 @@
 
 extern "C" bool lane_paged_attention_amx(const void*, const void*, const void*, const int64_t*, const int32_t*, void*,
                                          int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, int);
+extern "C" bool lane_paged_attention_amx_q8(const void*, const void*, const void*, const float*, const float*, int,
+                                            const int64_t*, const int32_t*, void*, int64_t, int64_t, int64_t, int64_t,
+                                            int64_t, int64_t, float, int);
 
 namespace {
 
@@ -442,12 +445,17 @@ extern "C" void lane_paged_decode_attention(const void* q, const void* k_cache, 
 }
 
 // The same over an 8-bit cache (uint8 [NB, KVH, BS, D]) with float scales [NB, KVH, BS]:
-// fp8 != 0 reads the bytes through lut (256 floats), else as int8.
+// fp8 != 0 reads the bytes through lut (256 floats), else as int8. bf16 rows take the AMX tiles
+// where the CPU and the shape do (paged_attention_amx.cpp: each block dequantized to bf16 as it is
+// packed), as over a bf16 cache.
 extern "C" void lane_paged_decode_attention_q8(const void* q, const void* k_cache, const void* v_cache,
                                                const float* k_scale, const float* v_scale, const float* lut, int fp8,
                                                int dtype, const int64_t* block_tables, const int32_t* context_lens,
                                                void* out, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t BS,
                                                int64_t MB, float scale, int threads) {
+  if (dtype == kBF16 && lane_paged_attention_amx_q8(q, k_cache, v_cache, k_scale, v_scale, fp8, block_tables,
+                                                     context_lens, out, B, H, KVH, D, BS, MB, scale, threads))
+    return;
   const auto* kc = static_cast<const uint8_t*>(k_cache);
   const auto* vc = static_cast<const uint8_t*>(v_cache);
   if (fp8) {
@@ -478,8 +486,15 @@ extern "C" void lane_cache_write_q8(const void* k, const void* v, int64_t k_stri
       }
       const float s = amax > 0.f ? amax / top : 1.f, inv = 1.f / s;
       *sc = s;
-      for (int64_t d = 0; d < D; ++d) dst[d] = fp8 ? fp8_e4m3_byte(row[d] * inv)
-                                                    : static_cast<uint8_t>(static_cast<int8_t>(std::lrint(row[d] * inv)));
+      int64_t d = 0;
+#if defined(__AVX512F__)
+      // int8: 16 at a time, the same product rounded to nearest even (lrint's mode), |q| <= 127
+      for (const __m512 vi = _mm512_set1_ps(inv); !fp8 && d + 16 <= D; d += 16)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + d),
+                         _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(row.data() + d), vi))));
+#endif
+      for (; d < D; ++d) dst[d] = fp8 ? fp8_e4m3_byte(row[d] * inv)
+                                      : static_cast<uint8_t>(static_cast<int8_t>(std::lrint(row[d] * inv)));
     };
     const X* kp = static_cast<const X*>(k);
     const X* vp = static_cast<const X*>(v);

@@ -61,15 +61,69 @@ inline float fold16(__m512 v) {
 // for only while V is packed (as K still is), the memory idles while the tiles work
 // (decode_attention.py's 64 rows at 300 keys, blocks in order / anywhere: 23.5 / 29.7 -> 22.3 /
 // 26.0 ms; in-engine, a 64-row step's attention 24.7-26.9 -> 22.5-23.6 ms).
-template <int64_t D>
+template <int64_t D, int64_t Elem = 2>
 struct NextV {
-  static constexpr int64_t kLines = kBS * D * 2 / 64;  // a block's
+  static constexpr int64_t kLines = kBS * D * Elem / 64;  // a block's
   const char* block[2] = {nullptr, nullptr};
   int64_t line = 2 * kLines;  // none to ask for
   void ask(int64_t lines) {
     for (const int64_t end = std::min(2 * kLines, line + lines); line < end; ++line)
       if (block[line / kLines]) _mm_prefetch(block[line / kLines] + line % kLines * 64, _MM_HINT_T1);
   }
+};
+
+// The cache the tiles read, by key row (a slot times the KV heads plus the head) and 32-value
+// chunk c of it: bf16 values as they lie (a K block is an A tile in place), or 8 bits (C8,
+// --kv-cache-dtype int8 / fp8_e4m3) with a float scale per row, each chunk dequantized to fp32
+// as paged_attention.cpp's ByteRows does (int8: the integer times the scale; an e4m3 byte: its
+// fp16 bit pattern times the scale and 2^8) and rounded to bf16 for the tiles. A K block of
+// those is always copied (dequantized) into tiles first.
+template <int64_t D>
+struct Bf16Cache {
+  static constexpr int64_t kElem = 2;
+  static constexpr bool kInPlace = true;
+  const uint16_t* k;
+  const uint16_t* v;
+  const uint16_t* k_row(int64_t row) const { return k + row * D; }
+  const char* k_bytes(int64_t row) const { return reinterpret_cast<const char*>(k + row * D); }
+  const char* v_bytes(int64_t row) const { return reinterpret_cast<const char*>(v + row * D); }
+  const char* k_scales(int64_t) const { return nullptr; }
+  const char* v_scales(int64_t) const { return nullptr; }
+  __m512i k32(int64_t row, int64_t c) const { return _mm512_loadu_si512(k + row * D + 32 * c); }
+  __m512i v32(int64_t row, int64_t c) const { return _mm512_loadu_si512(v + row * D + 32 * c); }
+};
+
+template <int64_t D, bool FP8>
+struct ByteCache {
+  static constexpr int64_t kElem = 1;
+  static constexpr bool kInPlace = false;
+  const uint8_t* k;
+  const uint8_t* v;
+  const float* ks;
+  const float* vs;
+  const uint16_t* k_row(int64_t) const { return nullptr; }
+  const char* k_bytes(int64_t row) const { return reinterpret_cast<const char*>(k + row * D); }
+  const char* v_bytes(int64_t row) const { return reinterpret_cast<const char*>(v + row * D); }
+  const char* k_scales(int64_t row) const { return reinterpret_cast<const char*>(ks + row); }
+  const char* v_scales(int64_t row) const { return reinterpret_cast<const char*>(vs + row); }
+  static __m512 sixteen(const uint8_t* p) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    if constexpr (FP8) {
+      const __m256i w = _mm256_cvtepu8_epi16(b);
+      const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8),
+                                        _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7f)), 7));
+      return _mm512_cvtph_ps(h);
+    } else {
+      return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
+    }
+  }
+  static __m512i chunk(const uint8_t* p, float scale) {
+    const __m512 s = _mm512_set1_ps(FP8 ? scale * 256.f : scale);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(round_bf16(_mm512_mul_ps(sixteen(p), s))),
+                              round_bf16(_mm512_mul_ps(sixteen(p + 16), s)), 1);
+  }
+  __m512i k32(int64_t row, int64_t c) const { return chunk(k + row * D + 32 * c, ks[row]); }
+  __m512i v32(int64_t row, int64_t c) const { return chunk(v + row * D + 32 * c, vs[row]); }
 };
 
 // Step j's keys of KV head h (block table `table`, context L): its two K blocks as A tiles in kb
@@ -83,31 +137,29 @@ struct NextV {
 // packing: all at once, the misses queue up behind each other, and a decode row over a cache in
 // DRAM waits on them (decode_attention.py's 64 rows: 14 against ~11 GB/s). With vnext, only K's
 // are: V's first lines (their pages walked early), the rest left to vnext.ask.
-template <int64_t D>
-void step_blocks(const uint16_t* kc, const uint16_t* vc, const int64_t* table, int64_t L, int64_t j, int64_t h,
-                 int64_t KVH, const uint16_t** kb, uint32_t* dst, uint32_t* kdst = nullptr, bool prefetch = false,
-                 NextV<D>* vnext = nullptr) {
-  const uint16_t* vb[2] = {nullptr, nullptr};
+template <int64_t D, typename Cache>
+void step_blocks(const Cache& cache, const int64_t* table, int64_t L, int64_t j, int64_t h, int64_t KVH,
+                 const uint16_t** kb, uint32_t* dst, uint32_t* kdst = nullptr, bool prefetch = false,
+                 NextV<D, Cache::kElem>* vnext = nullptr) {
+  int64_t rows[2] = {0, 0};                                    // each block's first key row
   const char* next[4] = {nullptr, nullptr, nullptr, nullptr};  // step j + 1's K and V blocks
   int64_t n[2];
   for (int b = 0; b < 2; ++b) {
     n[b] = std::clamp<int64_t>(L - kKeys * j - kBS * b, 0, kBS);
     kb[b] = nullptr;
-    if (n[b] > 0) {
-      const int64_t base = (table[2 * j + b] * KVH + h) * kBS * D;
-      kb[b] = kc + base, vb[b] = vc + base;
-    }
+    if (n[b] > 0) rows[b] = (table[2 * j + b] * KVH + h) * kBS, kb[b] = cache.k_row(rows[b]);
     if (prefetch && L > kKeys * (j + 1) + kBS * b) {
-      const int64_t base = (table[2 * (j + 1) + b] * KVH + h) * kBS * D;
-      next[2 * b] = reinterpret_cast<const char*>(kc + base), next[2 * b + 1] = reinterpret_cast<const char*>(vc + base);
+      const int64_t row = (table[2 * (j + 1) + b] * KVH + h) * kBS;
+      next[2 * b] = cache.k_bytes(row), next[2 * b + 1] = cache.v_bytes(row);
+      for (const char* sc : {cache.k_scales(row), cache.v_scales(row)})  // a block's 16 scales: one line
+        if (sc) _mm_prefetch(sc, _MM_HINT_T1);
     }
   }
-  if (vnext) *vnext = NextV<D>{{next[1], next[3]}, 0};
-  for (int b = 0; kdst && b < 2; ++b) {  // K as A tiles of 64-byte rows ([D / 32][key][32 dims])
-    if (!kb[b]) continue;
+  if (vnext) *vnext = NextV<D, Cache::kElem>{{next[1], next[3]}, 0};
+  for (int b = 0; (kdst || !Cache::kInPlace) && b < 2; ++b) {  // K as A tiles of 64-byte rows ([D / 32][key][32 dims])
+    if (n[b] == 0) continue;
     for (int64_t c = 0; c < D / 32; ++c)
-      for (int t = 0; t < 16; ++t)
-        _mm512_store_si512(kdst + (b * (D / 32) + c) * kTile + 16 * t, _mm512_loadu_si512(kb[b] + t * D + 32 * c));
+      for (int t = 0; t < 16; ++t) _mm512_store_si512(kdst + (b * (D / 32) + c) * kTile + 16 * t, cache.k32(rows[b] + t, c));
     kb[b] = reinterpret_cast<const uint16_t*>(kdst + b * (D / 32) * kTile);
   }
   for (int64_t k2 = 0; k2 < 16; ++k2) {  // keys 2 k2, 2 k2 + 1: block k2 / 8, rows t, t + 1
@@ -115,10 +167,11 @@ void step_blocks(const uint16_t* kc, const uint16_t* vc, const int64_t* table, i
     for (int q = 1; vnext && k2 == 0 && q < 4; q += 2)
       if (next[q]) _mm_prefetch(next[q], _MM_HINT_T1);
     for (int q = 0; q < 4; q += vnext ? 2 : 1)  // a sixteenth of the next step's blocks (K's only, with vnext)
-      for (int64_t i = 0; next[q] && i < D * 2; i += 64) _mm_prefetch(next[q] + k2 * D * 2 + i, _MM_HINT_T1);
+      for (int64_t i = 0; next[q] && i < D * Cache::kElem; i += 64)
+        _mm_prefetch(next[q] + k2 * D * Cache::kElem + i, _MM_HINT_T1);
     for (int64_t c = 0; c < D / 32; ++c) {
-      const __m512i x = t < n[b] ? _mm512_loadu_si512(vb[b] + t * D + 32 * c) : _mm512_setzero_si512();
-      const __m512i y = t + 1 < n[b] ? _mm512_loadu_si512(vb[b] + (t + 1) * D + 32 * c) : _mm512_setzero_si512();
+      const __m512i x = t < n[b] ? cache.v32(rows[b] + t, c) : _mm512_setzero_si512();
+      const __m512i y = t + 1 < n[b] ? cache.v32(rows[b] + t + 1, c) : _mm512_setzero_si512();
       _mm512_store_si512(dst + (2 * c) * kTile + 16 * k2, _mm512_unpacklo_epi16(x, y));
       _mm512_store_si512(dst + (2 * c + 1) * kTile + 16 * k2, _mm512_unpackhi_epi16(x, y));
     }
@@ -177,9 +230,9 @@ struct Lanes {
 // (a decode row's G heads), lane by lane, which pays for G lanes' exps rather than 16 (64 decode
 // rows over a cache in L3: 0.68 -> 0.62 ms a layer): the same arithmetic in the same order
 // either way, so a lane's output does not depend on which way its tile took
-template <int64_t D>
+template <int64_t D, typename Next>
 __attribute__((noinline)) void attend_step(Lanes<D>& ln, const uint16_t* const* kb, int64_t kstep, int64_t kstride,
-                                           const uint32_t* vt, int64_t j, float scale, NextV<D>& vnext) {
+                                           const uint32_t* vt, int64_t j, float scale, Next& vnext) {
   alignas(64) float s[kKeys * kLanes];
   alignas(64) float o[kLanes * D];
   LANE_TILE_ZERO(0);
@@ -197,7 +250,7 @@ __attribute__((noinline)) void attend_step(Lanes<D>& ln, const uint16_t* const* 
   }
   LANE_TILE_STORE(0, s, 64);
   LANE_TILE_STORE(1, s + kBS * kLanes, 64);
-  constexpr int64_t kShare = NextV<D>::kLines / 4;  // of the next V's lines, asked for at each part
+  constexpr int64_t kShare = Next::kLines / 4;  // of the next V's lines, asked for at each part
   vnext.ask(2 * kShare);
   const __m512 vs = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
   const __m512 m_old = _mm512_load_ps(ln.m);
@@ -274,7 +327,7 @@ __attribute__((noinline)) void attend_step(Lanes<D>& ln, const uint16_t* const* 
     LANE_TILE_DPBF16PS(7, 5, 6);
     LANE_TILE_STORE(7, o + 16 * c, D * 4);
   }
-  vnext.ask(2 * NextV<D>::kLines);  // the rest
+  vnext.ask(2 * Next::kLines);  // the rest
   for (int64_t r = 0; r < ln.n; ++r) {
     if (!((active >> r) & 1)) continue;
     const __m512 cv = _mm512_set1_ps(cs[r]);
@@ -284,9 +337,9 @@ __attribute__((noinline)) void attend_step(Lanes<D>& ln, const uint16_t* const* 
   }
 }
 
-template <int64_t D>
-void attend(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* tables, const int32_t* lens,
-            uint16_t* out, int64_t B, int64_t H, int64_t KVH, int64_t MB, float scale, int threads) {
+template <int64_t D, typename Cache>
+void attend(const uint16_t* q, const Cache& cache, const int64_t* tables, const int32_t* lens, uint16_t* out,
+            int64_t B, int64_t H, int64_t KVH, int64_t MB, float scale, int threads) {
   const int64_t G = H / KVH;
   if (MB > 0) {  // decode rows: one request's G heads a tile, each step's V packed where it is used
     // With requests to spare, an item is a request's KV heads (up to kHeads of them) stepping
@@ -298,6 +351,7 @@ void attend(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int
       tile_configure_full();
       Lanes<D> ln[kHeads];
       alignas(64) uint32_t vt[D / 16 * kTile];
+      alignas(64) uint32_t kt[Cache::kInPlace ? 1 : 2 * (D / 32) * kTile];  // K blocks dequantized (C8)
       const uint16_t* kb[2];
       for (int64_t k = begin; k < end; ++k) {
         // (zigzag: a batch runs oldest first, its contexts longest first; halves would give one
@@ -317,9 +371,11 @@ void attend(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int
         const int64_t n = ln[0].steps();
         for (int64_t j = 0; j < n; ++j) {
           for (int64_t i = 0; i < nh; ++i) {
-            NextV<D> vnext;
-            step_blocks<D>(kc, vc, tables + b * MB, lens[b], j, h0 + i, KVH, kb, vt, nullptr, true, &vnext);
-            attend_step<D>(ln[i], kb, 32, D * 2, vt, j, scale, vnext);
+            NextV<D, Cache::kElem> vnext;
+            step_blocks<D>(cache, tables + b * MB, lens[b], j, h0 + i, KVH, kb, vt, Cache::kInPlace ? nullptr : kt,
+                           true, &vnext);
+            if (Cache::kInPlace) attend_step<D>(ln[i], kb, 32, D * 2, vt, j, scale, vnext);
+            else attend_step<D>(ln[i], kb, 2 * kTile, 64, vt, j, scale, vnext);
           }
         }
         for (int64_t i = 0; i < nh; ++i) ln[i].finish();
@@ -335,14 +391,14 @@ void attend(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int
   const uint16_t** blocks = scratch<const uint16_t*, 2>(KVH * steps * 2);
   parallel_for(KVH * steps, 4, threads, [&](int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end; ++u)
-      step_blocks<D>(kc, vc, tables, L, u % steps, u / steps, KVH, blocks + 2 * u, packed + u * words + kwords,
+      step_blocks<D>(cache, tables, L, u % steps, u / steps, KVH, blocks + 2 * u, packed + u * words + kwords,
                      packed + u * words);
   });
   const int64_t R = kLanes / G, groups = (B + R - 1) / R;
   parallel_for(groups * KVH, 1, threads, [&](int64_t begin, int64_t end) {
     tile_configure_full();
     Lanes<D> ln;
-    NextV<D> none;  // (a chunk's blocks were packed up front)
+    NextV<D, Cache::kElem> none;  // (a chunk's blocks were packed up front)
     for (int64_t k = begin; k < end; ++k) {
       const int64_t item = zigzag(k, groups * KVH), b0 = item / KVH * R, h = item % KVH;
       ln.n = std::min(R, B - b0) * G;
@@ -382,12 +438,42 @@ extern "C" bool lane_paged_attention_amx(const void* q, const void* k_cache, con
   const auto* kc = static_cast<const uint16_t*>(k_cache);
   const auto* vc = static_cast<const uint16_t*>(v_cache);
   auto* op = static_cast<uint16_t*>(out);
-  if (D == 64) attend<64>(qp, kc, vc, block_tables, context_lens, op, B, H, KVH, MB, scale, threads);
-  else attend<128>(qp, kc, vc, block_tables, context_lens, op, B, H, KVH, MB, scale, threads);
+  if (D == 64) attend<64>(qp, Bf16Cache<64>{kc, vc}, block_tables, context_lens, op, B, H, KVH, MB, scale, threads);
+  else attend<128>(qp, Bf16Cache<128>{kc, vc}, block_tables, context_lens, op, B, H, KVH, MB, scale, threads);
   return true;
 #else
   (void)q, (void)k_cache, (void)v_cache, (void)block_tables, (void)context_lens, (void)out, (void)B, (void)H;
   (void)KVH, (void)D, (void)BS, (void)MB, (void)scale, (void)threads;
+  return false;
+#endif
+}
+
+// The same over an 8-bit cache (C8: uint8 [NB, KVH, 16, D], int8 or fp8 e4m3 bytes, with float
+// scales [NB, KVH, 16]): the blocks dequantized to bf16 as they are packed into tiles, so a step
+// reads half the bytes of a bf16 cache. Same conditions, and q bf16.
+extern "C" bool lane_paged_attention_amx_q8(const void* q, const void* k_cache, const void* v_cache,
+                                            const float* k_scale, const float* v_scale, int fp8,
+                                            const int64_t* block_tables, const int32_t* context_lens, void* out,
+                                            int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t BS, int64_t MB,
+                                            float scale, int threads) {
+#if defined(__AVX512F__)
+  if (BS != kBS || (D != 64 && D != 128) || H % KVH != 0 || H / KVH > kLanes || !attention_amx_usable())
+    return false;
+  if (B <= 0) return true;
+  const auto* qp = static_cast<const uint16_t*>(q);
+  const auto* kc = static_cast<const uint8_t*>(k_cache);
+  const auto* vc = static_cast<const uint8_t*>(v_cache);
+  auto* op = static_cast<uint16_t*>(out);
+  const int64_t* t = block_tables;
+  const int32_t* l = context_lens;
+  if (D == 64 && fp8) attend<64>(qp, ByteCache<64, true>{kc, vc, k_scale, v_scale}, t, l, op, B, H, KVH, MB, scale, threads);
+  else if (D == 64) attend<64>(qp, ByteCache<64, false>{kc, vc, k_scale, v_scale}, t, l, op, B, H, KVH, MB, scale, threads);
+  else if (fp8) attend<128>(qp, ByteCache<128, true>{kc, vc, k_scale, v_scale}, t, l, op, B, H, KVH, MB, scale, threads);
+  else attend<128>(qp, ByteCache<128, false>{kc, vc, k_scale, v_scale}, t, l, op, B, H, KVH, MB, scale, threads);
+  return true;
+#else
+  (void)q, (void)k_cache, (void)v_cache, (void)k_scale, (void)v_scale, (void)fp8, (void)block_tables;
+  (void)context_lens, (void)out, (void)B, (void)H, (void)KVH, (void)D, (void)BS, (void)MB, (void)scale, (void)threads;
   return false;
 #endif
 }
