@@ -53,6 +53,25 @@ def test_8bit_paged_attention_equals_attention_over_the_dequantized_cache(fp8, d
     assert torch.allclose(got.float(), ref, atol=tol)
 
 
+def test_int8_cache_write_of_rows_with_nan_inf_or_no_scale():
+    """The int8 write's vector rounding keeps the scalar rounding's bytes where a row is not
+    plain: a NaN value stores 0, a row holding inf (scale inf) stores 0s, and a row too small to
+    invert its scale stores 0s; a plain row beside them is torch's quantization."""
+    assert cpu_kernels.build()
+    g = torch.Generator().manual_seed(2)
+    rows = torch.randn(4, 1, 64, generator=g)
+    rows[1, 0, 5], rows[2, 0, 9] = float("nan"), float("inf")
+    rows[3] = 1e-38
+    kc, vc = torch.zeros(1, 1, 16, 64, dtype=torch.int8), torch.zeros(1, 1, 16, 64, dtype=torch.int8)
+    ks, vs = torch.zeros(1, 1, 16), torch.zeros(1, 1, 16)
+    cpu_kernels.cache_write_8bit(rows, rows, kc, vc, ks, vs, torch.arange(4), False)
+    clean = rows[:2].clone()
+    clean[1, 0, 5] = 0.0  # the NaN's row as if it were 0 there: the same scale
+    q8, _ = quantize_rows_8bit(clean, False)
+    assert torch.equal(kc[0, 0, :2], q8[:, 0])
+    assert not kc[0, 0, 2].any() and not kc[0, 0, 3].any() and torch.equal(kc, vc)
+
+
 @pytest.mark.parametrize("fp8", [False, True], ids=["int8", "fp8_e4m3"])
 def test_8bit_cache_on_amx_tiles_chunk_rows_equal_decode_rows(fp8):
     """bf16 rows over an 8-bit cache on the AMX tiles (where the CPU has them): each block

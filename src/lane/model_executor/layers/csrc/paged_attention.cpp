@@ -480,7 +480,24 @@ extern "C" void lane_cache_write_q8(const void* k, const void* v, int64_t k_stri
     const float top = fp8 ? 448.f : 127.f;
     auto put = [&](const X* src, uint8_t* dst, float* sc) {
       float amax = 0.f;
-      for (int64_t d = 0; d < D; ++d) {
+      int64_t e = 0;
+#if defined(__AVX512F__)
+      if constexpr (std::is_same_v<X, bf16> || std::is_same_v<X, float>) {  // 16 at a time: max is exact in any order
+        __m512 m = _mm512_setzero_ps();
+        for (; e + 16 <= D; e += 16) {
+          __m512 x;
+          if constexpr (std::is_same_v<X, bf16>)
+            x = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + e))), 16));
+          else
+            x = _mm512_loadu_ps(src + e);
+          _mm512_storeu_ps(row.data() + e, x);
+          m = _mm512_max_ps(_mm512_abs_ps(x), m);  // (a NaN value is passed over, as std::max below passes it)
+        }
+        amax = _mm512_reduce_max_ps(m);
+      }
+#endif
+      for (int64_t d = e; d < D; ++d) {
         row[d] = to_f(src[d]);
         amax = std::max(amax, std::fabs(row[d]));
       }
@@ -488,10 +505,15 @@ extern "C" void lane_cache_write_q8(const void* k, const void* v, int64_t k_stri
       *sc = s;
       int64_t d = 0;
 #if defined(__AVX512F__)
-      // int8: 16 at a time, the same product rounded to nearest even (lrint's mode), |q| <= 127
-      for (const __m512 vi = _mm512_set1_ps(inv); !fp8 && d + 16 <= D; d += 16)
+      // int8: 16 at a time, the same product rounded to nearest even (lrint's mode), |q| <= 127.
+      // A NaN product is 0, as the scalar cast makes of lrint's; with inv not finite (a row of
+      // inf, or one too small to invert) the scalar path takes the row
+      for (const __m512 vi = _mm512_set1_ps(inv); !fp8 && std::isfinite(inv) && d + 16 <= D; d += 16) {
+        const __m512 p = _mm512_mul_ps(_mm512_loadu_ps(row.data() + d), vi);
         _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + d),
-                         _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(row.data() + d), vi))));
+                         _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(
+                             _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(p, p, _CMP_ORD_Q), p))));
+      }
 #endif
       for (; d < D; ++d) dst[d] = fp8 ? fp8_e4m3_byte(row[d] * inv)
                                       : static_cast<uint8_t>(static_cast<int8_t>(std::lrint(row[d] * inv)));
