@@ -2,6 +2,7 @@
 which chooses each model's attention backend (step 3's second layer)."""
 from __future__ import annotations
 
+import ctypes
 import functools
 import importlib
 import logging
@@ -123,6 +124,18 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     if dtype not in _DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose auto, float32, bfloat16 or float16")
     return _DTYPES[dtype]
+
+
+@functools.cache
+def libc_madvise():
+    """The C library's madvise(addr, length, advice) -> 0, or -1 with ctypes.get_errno() set
+    (ctypes lets go of the GIL during the call); None where there is none (not a POSIX libc)."""
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError, TypeError):
+        return None
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return madvise
 
 
 def available_cpus() -> int:

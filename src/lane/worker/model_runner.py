@@ -7,7 +7,6 @@ end a request's pending tokens go through the LM head and the sampler.
 """
 from __future__ import annotations
 
-import ctypes
 import math
 import mmap
 import queue
@@ -70,10 +69,8 @@ class _Populate:
                 self.thread.start()
 
     def _run(self) -> None:
-        try:
-            madvise = ctypes.CDLL(None, use_errno=True).madvise
-            madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-        except (OSError, AttributeError):
+        madvise = platform.libc_madvise()
+        if madvise is None:
             return
         while True:
             buf, addr, nbytes = self.queue.get()  # (buf keeps the mapping alive meanwhile)

@@ -22,6 +22,8 @@ import time
 import torch
 from torch import nn
 
+from lane import platform
+
 logger = logging.getLogger(__name__)
 
 _HUGE = 2 << 20
@@ -70,9 +72,8 @@ def move_weights_to_huge_pages(model: nn.Module) -> int:
     raw = torch.empty(total + _HUGE, dtype=torch.uint8)  # not touched yet: faulted in by the copies below
     start = (-raw.data_ptr()) % _HUGE
     arena = raw[start:start + total]
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    advised = libc.madvise(arena.data_ptr(), -(-total // _HUGE) * _HUGE, _MADV_HUGEPAGE) == 0
+    madvise = platform.libc_madvise()
+    advised = madvise is not None and madvise(arena.data_ptr(), -(-total // _HUGE) * _HUGE, _MADV_HUGEPAGE) == 0
     errno = ctypes.get_errno()
     offset = 0
     for holders, size in zip(groups.values(), sizes):

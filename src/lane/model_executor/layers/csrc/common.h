@@ -8,7 +8,7 @@
 #include <cstring>
 #include <type_traits>
 #include <vector>
-#if defined(__AVX512F__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -333,6 +333,17 @@ inline bool use_avx512bf16() {
   return false;
 #endif
 }
+
+#if defined(__AVX2__)
+// C8's fp8 e4m3 bytes, 16 of them, as fp16 bit patterns of the same numbers times 2^-8 (sign to
+// bit 15, exponent and mantissa from bit 7: the two formats' biases and subnormal steps differ by
+// 8 binades, so subnormals come out right too); the converter multiplies 2^8 into its scale
+inline __m256i e4m3_as_f16(__m128i bytes) {
+  const __m256i b = _mm256_cvtepu8_epi16(bytes);
+  return _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
+                         _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7));
+}
+#endif
 
 #if defined(__AVX512F__)
 // v rounded to bf16 by vcvtneps2bf16 (only where use_avx512bf16())

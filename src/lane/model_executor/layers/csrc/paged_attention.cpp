@@ -64,11 +64,8 @@ struct ByteRows {
       int64_t d = 0;
 #if defined(__AVX2__) && defined(__F16C__)
       const __m256 s8 = _mm256_set1_ps(s * 256.f);
-      const __m256i sign = _mm256_set1_epi16(0x80), rest = _mm256_set1_epi16(0x7f);
       for (; d + 16 <= D; d += 16) {  // 16 bytes -> 16 fp16 bit patterns -> 16 floats
-        const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d)));
-        const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, sign), 8),
-                                          _mm256_slli_epi16(_mm256_and_si256(b, rest), 7));
+        const __m256i h = e4m3_as_f16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d)));
         _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h)), s8));
         _mm256_storeu_ps(dst + d + 8, _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h, 1)), s8));
       }
@@ -197,12 +194,9 @@ void decode_kernel(const T* q, const Rows& cache, const int64_t* tables,
 #include <immintrin.h>
 // AVX-512 path for a bf16 cache and head_dim = 16 * DV: K/V rows widen to fp32
 // in registers, dot products and p.v run on whole vectors.
-inline __m512 bf16x16(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(
-      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-
-inline __m512 load16(const uint16_t* p) { return bf16x16(p); }
+inline __m512 load16(const uint16_t* p) { return bf16_to_f(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline __m512 load16(const bf16* p) { return load16(reinterpret_cast<const uint16_t*>(p)); }
+inline __m512 load16(const f16* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 
 // v[0..15] -> one vector whose lane t is the sum of v[t]'s 16 lanes (a fixed tree: pairs within
@@ -482,20 +476,13 @@ extern "C" void lane_cache_write_q8(const void* k, const void* v, int64_t k_stri
       float amax = 0.f;
       int64_t e = 0;
 #if defined(__AVX512F__)
-      if constexpr (std::is_same_v<X, bf16> || std::is_same_v<X, float>) {  // 16 at a time: max is exact in any order
-        __m512 m = _mm512_setzero_ps();
-        for (; e + 16 <= D; e += 16) {
-          __m512 x;
-          if constexpr (std::is_same_v<X, bf16>)
-            x = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + e))), 16));
-          else
-            x = _mm512_loadu_ps(src + e);
-          _mm512_storeu_ps(row.data() + e, x);
-          m = _mm512_max_ps(_mm512_abs_ps(x), m);  // (a NaN value is passed over, as std::max below passes it)
-        }
-        amax = _mm512_reduce_max_ps(m);
+      __m512 m = _mm512_setzero_ps();  // 16 at a time (exact conversions; a max is exact in any order)
+      for (; e + 16 <= D; e += 16) {
+        const __m512 x = load16(src + e);
+        _mm512_storeu_ps(row.data() + e, x);
+        m = _mm512_max_ps(_mm512_abs_ps(x), m);  // (a NaN value is passed over, as std::max below passes it)
       }
+      amax = _mm512_reduce_max_ps(m);
 #endif
       for (int64_t d = e; d < D; ++d) {
         row[d] = to_f(src[d]);

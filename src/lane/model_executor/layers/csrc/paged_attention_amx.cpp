@@ -108,14 +108,8 @@ struct ByteCache {
   const char* v_scales(int64_t row) const { return reinterpret_cast<const char*>(vs + row); }
   static __m512 sixteen(const uint8_t* p) {
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    if constexpr (FP8) {
-      const __m256i w = _mm256_cvtepu8_epi16(b);
-      const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x80)), 8),
-                                        _mm256_slli_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7f)), 7));
-      return _mm512_cvtph_ps(h);
-    } else {
-      return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
-    }
+    if constexpr (FP8) return _mm512_cvtph_ps(e4m3_as_f16(b));
+    else return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b));
   }
   static __m512i chunk(const uint8_t* p, float scale) {
     const __m512 s = _mm512_set1_ps(FP8 ? scale * 256.f : scale);
@@ -352,6 +346,8 @@ void attend(const uint16_t* q, const Cache& cache, const int64_t* tables, const 
       Lanes<D> ln[kHeads];
       alignas(64) uint32_t vt[D / 16 * kTile];
       alignas(64) uint32_t kt[Cache::kInPlace ? 1 : 2 * (D / 32) * kTile];  // K blocks dequantized (C8)
+      // K's 32-dim chunks and rows: the cache's own rows, or the copy's tiles
+      constexpr int64_t kKStep = Cache::kInPlace ? 32 : 2 * kTile, kKStride = Cache::kInPlace ? D * 2 : 64;
       const uint16_t* kb[2];
       for (int64_t k = begin; k < end; ++k) {
         // (zigzag: a batch runs oldest first, its contexts longest first; halves would give one
@@ -374,8 +370,7 @@ void attend(const uint16_t* q, const Cache& cache, const int64_t* tables, const 
             NextV<D, Cache::kElem> vnext;
             step_blocks<D>(cache, tables + b * MB, lens[b], j, h0 + i, KVH, kb, vt, Cache::kInPlace ? nullptr : kt,
                            true, &vnext);
-            if (Cache::kInPlace) attend_step<D>(ln[i], kb, 32, D * 2, vt, j, scale, vnext);
-            else attend_step<D>(ln[i], kb, 2 * kTile, 64, vt, j, scale, vnext);
+            attend_step<D>(ln[i], kb, kKStep, kKStride, vt, j, scale, vnext);
           }
         }
         for (int64_t i = 0; i < nh; ++i) ln[i].finish();
@@ -418,6 +413,12 @@ void attend(const uint16_t* q, const Cache& cache, const int64_t* tables, const 
     tile_release();
   });
 }
+
+// Whether the tiles take this shape here: head_dim 64 or 128, 16-token blocks, at most 16 query
+// heads per KV head, and the CPU's AMX-BF16 (the model's and the machine's, never the batch's)
+inline bool tiles_take(int64_t H, int64_t KVH, int64_t D, int64_t BS) {
+  return BS == kBS && (D == 64 || D == 128) && H % KVH == 0 && H / KVH <= kLanes && attention_amx_usable();
+}
 #endif
 
 }  // namespace
@@ -431,8 +432,7 @@ extern "C" bool lane_paged_attention_amx(const void* q, const void* k_cache, con
                                          int64_t H, int64_t KVH, int64_t D, int64_t BS, int64_t MB, float scale,
                                          int threads) {
 #if defined(__AVX512F__)
-  if (BS != kBS || (D != 64 && D != 128) || H % KVH != 0 || H / KVH > kLanes || !attention_amx_usable())
-    return false;
+  if (!tiles_take(H, KVH, D, BS)) return false;
   if (B <= 0) return true;
   const auto* qp = static_cast<const uint16_t*>(q);
   const auto* kc = static_cast<const uint16_t*>(k_cache);
@@ -457,8 +457,7 @@ extern "C" bool lane_paged_attention_amx_q8(const void* q, const void* k_cache, 
                                             int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t BS, int64_t MB,
                                             float scale, int threads) {
 #if defined(__AVX512F__)
-  if (BS != kBS || (D != 64 && D != 128) || H % KVH != 0 || H / KVH > kLanes || !attention_amx_usable())
-    return false;
+  if (!tiles_take(H, KVH, D, BS)) return false;
   if (B <= 0) return true;
   const auto* qp = static_cast<const uint16_t*>(q);
   const auto* kc = static_cast<const uint8_t*>(k_cache);
