@@ -1,4 +1,5 @@
 """The compiled CPU kernels against the torch reference paths."""
+import contextlib
 import os
 import subprocess
 import sys
@@ -94,13 +95,59 @@ def test_bf16_amx_tiles_match_torch_and_keep_rows_apart():
                 assert torch.equal(cpu_kernels.small_m_linear(x[M:M + 1], w, bias), y[M:M + 1]), (N, K, M)
 
 
-def test_bf16_amx_attention_rows_equal_decode_rows():
-    """Paged attention over a bf16 cache on AMX-BF16 tiles (where the CPU has them): a prefill
-    chunk's rows (positions 37..81, crossing blocks and 32-key steps) within bf16 rounding of a
-    float64 softmax, and each bit for bit the row a decode step gives at that position, alone or
-    among other requests, from other physical blocks holding the same K/V."""
-    if not cpu_kernels.attention_amx():
-        pytest.skip("no AMX-BF16 here (or LANE_CPU_AMX=0): bf16 attention runs the AVX-512 kernel")
+@contextlib.contextmanager
+def bf16_attention_kernel(kernel: str):
+    """Run bf16 paged attention on one kernel: "amx" (the AMX-BF16 tiles), "dpbf16" (AVX512-BF16's
+    vdpbf16ps) or "fp32" (the vector kernel that widens K and V); skip where this CPU lacks it."""
+    try:
+        if kernel == "amx":
+            if not cpu_kernels.attention_amx(True):
+                pytest.skip("no AMX-BF16 here (or LANE_CPU_AMX=0)")
+        else:
+            cpu_kernels.attention_amx(False)
+            if cpu_kernels.attention_dpbf16(kernel == "dpbf16") != (kernel == "dpbf16"):
+                pytest.skip("no AVX512-BF16 here")
+            if kernel == "fp32" and cpu_kernels.isa() != "avx512":
+                pytest.skip("the fp32 vector kernel is AVX-512's")
+        yield
+    finally:
+        cpu_kernels.attention_amx(True)
+        cpu_kernels.attention_dpbf16(True)
+
+
+@pytest.mark.parametrize("kernel", ["amx", "dpbf16", "fp32"])
+def test_bf16_attention_chunk_rows_equal_decode_rows(kernel):
+    """Paged attention over a bf16 cache, on each kernel this CPU has: a prefill chunk's rows
+    (positions 37..81, crossing blocks and 32-key steps) within bf16 rounding of a float64
+    softmax, and each bit for bit the row a decode step gives at that position, alone or among
+    other requests, from other physical blocks holding the same K/V."""
+    with bf16_attention_kernel(kernel):
+        _chunk_rows_equal_decode_rows()
+
+
+@pytest.mark.parametrize("kernel", ["amx", "dpbf16", "fp32"])
+def test_bf16_attention_ignores_the_cache_past_the_context(kernel):
+    """The slots of a request's last block past its context hold whatever was there (NaN here):
+    every bf16 kernel leaves them out of the scores and the sums, at every length of the block."""
+    g = torch.Generator().manual_seed(5)
+    H, KVH, D, bs = 9, 3, 64, 16
+    kc = torch.randn(8, KVH, bs, D, generator=g).to(torch.bfloat16)
+    vc = torch.randn(8, KVH, bs, D, generator=g).to(torch.bfloat16)
+    lens = torch.tensor([17, 18, 23, 31, 32, 3], dtype=torch.int32)
+    tables = torch.tensor([[1, 2], [1, 2], [1, 2], [1, 2], [1, 2], [5, 0]])
+    q = torch.randn(len(lens), H, D, generator=g).to(torch.bfloat16)
+    with bf16_attention_kernel(kernel):
+        for i in range(len(lens)):  # one request at a time: its own slots past its length poisoned
+            poisoned_k, poisoned_v = kc.clone(), vc.clone()
+            last, used = int(tables[i, (lens[i] - 1) // bs]), (int(lens[i]) - 1) % bs + 1
+            poisoned_k[last, :, used:], poisoned_v[last, :, used:] = float("nan"), float("nan")
+            clean = cpu_kernels.decode_attention(q[i:i + 1], kc, vc, tables[i:i + 1], lens[i:i + 1], 0.125)
+            out = cpu_kernels.decode_attention(q[i:i + 1], poisoned_k, poisoned_v, tables[i:i + 1], lens[i:i + 1], 0.125)
+            assert torch.isfinite(out).all(), (kernel, int(lens[i]))
+            assert torch.equal(out, clean), (kernel, int(lens[i]))
+
+
+def _chunk_rows_equal_decode_rows():
     g = torch.Generator().manual_seed(4)
     for H, KVH, D in ((9, 3, 64), (16, 1, 128), (32, 2, 64)):  # 5 positions a tile, 1, 1 (16 heads)
         nb, done, n = 48, 37, 45

@@ -511,8 +511,15 @@ def attention_amx(enable: bool | None = None) -> bool:
     return _amx_switch("lane_attention_amx", enable)
 
 
+def attention_dpbf16(enable: bool | None = None) -> bool:
+    """Whether paged attention over a bf16 cache, where the AMX tiles do not take it, runs the
+    AVX512-BF16 kernel here (the CPU has AVX512-BF16: vdpbf16ps on K in place and on V in pairs
+    of keys) rather than the fp32 one. ``enable``: as attention_amx's."""
+    return _amx_switch("lane_attention_dpbf16", enable)
+
+
 def _amx_switch(name: str, enable: bool | None) -> bool:
-    """A kernel's AMX switch (lane_bf16_amx, lane_attention_amx): set it (enable not None), then
+    """A kernel's switch (lane_bf16_amx, lane_attention_amx, lane_attention_dpbf16): set it (enable not None), then
     whether its tiles are taken here."""
     if _lib is None:
         return False

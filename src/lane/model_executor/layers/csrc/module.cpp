@@ -42,6 +42,7 @@ void lane_x8_silu_mul(const void*, const uint8_t*, int, const float*, void*, int
 void lane_bf16_amx(int, int64_t*);
 void lane_x8_bf16_amx(int, int64_t*);
 void lane_attention_amx(int, int64_t*);
+void lane_attention_dpbf16(int, int64_t*);
 void lane_quant_x8_block_dots(const int8_t*, const uint8_t*, int, int32_t*, int64_t, int64_t, int64_t);
 void lane_quant_x8_linear(const void*, int, const uint8_t*, int, const float*, void*, int, int64_t, int64_t, int64_t,
                           int);
@@ -114,7 +115,7 @@ PyMethodDef methods[] = {
     LANE_DEF(lane_quant_linear), LANE_DEF(lane_quantize_per_token_int8), LANE_DEF(lane_int8_scale),
     LANE_DEF(lane_int8_w8a8), LANE_DEF(lane_int8_w8a16), LANE_DEF(lane_int8_dequant), LANE_DEF(lane_bind_threads),
     LANE_DEF(lane_dequant_kquant), LANE_DEF(lane_quantize_rows_q8k),
-    LANE_DEF(lane_kquant_sub_dots), LANE_DEF(lane_kquant_linear), LANE_DEF(lane_repack_x8), LANE_DEF(lane_x8_supports), LANE_DEF(lane_x8_amx), LANE_DEF(lane_bf16_amx), LANE_DEF(lane_x8_bf16_amx), LANE_DEF(lane_x8_silu_mul), LANE_DEF(lane_attention_amx),
+    LANE_DEF(lane_kquant_sub_dots), LANE_DEF(lane_kquant_linear), LANE_DEF(lane_repack_x8), LANE_DEF(lane_x8_supports), LANE_DEF(lane_x8_amx), LANE_DEF(lane_bf16_amx), LANE_DEF(lane_x8_bf16_amx), LANE_DEF(lane_x8_silu_mul), LANE_DEF(lane_attention_amx), LANE_DEF(lane_attention_dpbf16),
     LANE_DEF(lane_quant_x8_block_dots), LANE_DEF(lane_quant_x8_linear), LANE_DEF(lane_quant_x8_linear_int8), LANE_DEF(lane_dequant_ggml_x8), LANE_DEF(lane_dequant_x8_rows),
     LANE_DEF(lane_shm_attach), LANE_DEF(lane_shm_layout), LANE_DEF(lane_shm_barrier), LANE_DEF(lane_shm_all_reduce),
     LANE_DEF(lane_shm_reduce_scatter), LANE_DEF(lane_shm_all_gather), LANE_DEF(lane_shm_all_to_all),

@@ -8,6 +8,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -261,9 +262,10 @@ void decode_avx512(const T* q_, const T* kc_, const T* vc_, const int64_t* table
         const int64_t n = std::min(BS, Lmax - j * BS);  // the longest row's
         if (j + 1 < nblocks) {
           const int64_t next = table[j + 1] * blk_stride + h * BS * D;
+          // into L2, as decode_dpbf16 asks (there: why): 1.2x on Zen 4
           for (int64_t off = 0; off < BS * D; off += 64 / static_cast<int64_t>(sizeof(E))) {
-            _mm_prefetch(reinterpret_cast<const char*>(kc + next + off), _MM_HINT_T0);
-            _mm_prefetch(reinterpret_cast<const char*>(vc + next + off), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(kc + next + off), _MM_HINT_T1);
+            _mm_prefetch(reinterpret_cast<const char*>(vc + next + off), _MM_HINT_T1);
           }
         }
         // rows past n are zeros here, never the cache's contents (which may be anything)
@@ -327,6 +329,149 @@ void decode_avx512(const T* q_, const T* kc_, const T* vc_, const int64_t* table
     }
   });
 }
+
+// acc + the products of a and b's bf16 pairs, lane by lane (AVX512-BF16's vdpbf16ps; the build
+// targets plain AVX-512, so it is issued through asm, as round_bf16 is)
+inline __m512 dpbf16(__m512 acc, __m512i a, __m512i b) {
+  asm("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+  return acc;
+}
+
+std::atomic<int> attention_dpbf16_enabled{1};  // off: benchmarks time the fp32 kernel instead
+
+inline bool attention_dpbf16_usable() {
+  return use_avx512bf16() && attention_dpbf16_enabled.load(std::memory_order_relaxed);
+}
+
+// The AVX512-BF16 path for a bf16 cache, head_dim = 16 * DV (CPUs with AVX512-BF16 where the AMX
+// tiles do not run: Zen 4, Cooper Lake, or LANE_CPU_AMX=0). The fp32 kernel above widens every K
+// and V value and spends ~90 instructions per key and KV head (compute-bound at ~11 GB/s a core
+// on Zen 4); here K is multiplied in place by vdpbf16ps, two dims a lane, against the query
+// rounded to bf16, and V by pairs of keys: two keys' rows interleaved (unpacklo / unpackhi) times
+// their two probabilities rounded to bf16, as the AMX tiles take them. A lane of the PV sums then
+// holds dim 8L + j (unpacklo) or 8L + 4 + j (unpackhi) of 128-bit lane L, put back in order once
+// at the end. Rows that read one table (a chunk's) go R at a time, sharing each block's pairs;
+// a row's keys and pairs are the same whichever rows it came with, so its output is too.
+template <int DV>
+void decode_dpbf16(const uint16_t* qp, const uint16_t* kc, const uint16_t* vc, const int64_t* tables,
+                   const int32_t* lens, bf16* out, int64_t B, int64_t H, int64_t KVH, int64_t MB, float scale,
+                   int threads) {
+  constexpr int64_t D = DV * 16, BS = 16, QV = DV / 2;  // QV: zmm of a bf16 row (32 dims each)
+  const int64_t G = H / KVH, blk_stride = KVH * BS * D;
+  const int64_t R = MB == 0 ? 4 : 1, groups = (B + R - 1) / R;
+  parallel_for(groups * KVH, 1, threads, [&](int64_t begin, int64_t end) {
+    __m512i* qv = scratch<__m512i, 20>(R * G * QV);
+    __m512* acc = scratch<__m512, 21>(R * G * DV);
+    float* m = scratch<float, 22>(R * G);
+    float* l = scratch<float, 23>(R * G);
+    float* cs = scratch<float, 24>(R * G);
+    uint32_t* pp = scratch<uint32_t, 25>(R * G * BS / 2);  // bf16 probabilities, in pairs of keys
+    alignas(64) __m512i vp[BS / 2][DV];  // the block's V rows, in pairs of keys
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int64_t k = begin; k < end; ++k) {
+      const int64_t item = zigzag(k, groups * KVH), b0 = item / KVH * R, h = item % KVH;
+      const int64_t rows = std::min(R, B - b0);
+      int64_t Lmax = 0;
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t b = b0 + r;
+        Lmax = std::max<int64_t>(Lmax, lens[b]);
+        for (int64_t g = 0; g < G; ++g) {
+          const uint16_t* qr = qp + (b * H + h * G + g) * D;
+          for (int i = 0; i < QV; ++i) {
+            const __m512 lo = _mm512_mul_ps(load16(qr + 32 * i), vscale);
+            const __m512 hi = _mm512_mul_ps(load16(qr + 32 * i + 16), vscale);
+            qv[(r * G + g) * QV + i] =
+                _mm512_inserti64x4(_mm512_castsi256_si512(round_bf16(lo)), round_bf16(hi), 1);
+          }
+          for (int i = 0; i < DV; ++i) acc[(r * G + g) * DV + i] = _mm512_setzero_ps();
+          m[r * G + g] = -INFINITY;
+          l[r * G + g] = 0.f;
+        }
+      }
+      const int64_t* table = tables + b0 * MB;
+      const int64_t nblocks = (Lmax + BS - 1) / BS;
+      for (int64_t j = 0; j < nblocks; ++j) {
+        const int64_t base = table[j] * blk_stride + h * BS * D;
+        const int64_t n = std::min(BS, Lmax - j * BS);  // the longest row's
+        // the next block's K and V into L2 (prefetcht1): on Zen 4, prefetcht0's 128 lines a block
+        // wait on the L1's few miss buffers, and a 64-row step's attention ran 1.35x longer
+        if (j + 1 < nblocks) {
+          const int64_t next = table[j + 1] * blk_stride + h * BS * D;
+          for (int64_t off = 0; off < BS * D; off += 32) {
+            _mm_prefetch(reinterpret_cast<const char*>(kc + next + off), _MM_HINT_T1);
+            _mm_prefetch(reinterpret_cast<const char*>(vc + next + off), _MM_HINT_T1);
+          }
+        }
+        const uint16_t* kb = kc + base;
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t nr = std::min<int64_t>(BS, lens[b0 + r] - j * BS);  // this row's
+          if (nr <= 0) continue;
+          const __mmask16 valid = static_cast<__mmask16>((1u << nr) - 1u);
+          for (int64_t g = 0; g < G; ++g) {  // scores and softmax, head by head
+            const int64_t rg = r * G + g;
+            const __m512i* qg = &qv[rg * QV];
+            __m512 dots[BS];  // keys past n read whatever the cache holds: masked out below
+            for (int64_t t = 0; t < BS; ++t) {
+              __m512 a = _mm512_setzero_ps();
+              for (int i = 0; i < QV; ++i) a = dpbf16(a, qg[i], _mm512_loadu_si512(kb + t * D + 32 * i));
+              dots[t] = a;
+            }
+            const __m512 sv = transpose_sum16(dots);
+            const float bm = _mm512_mask_reduce_max_ps(valid, sv);
+            const float mb = bm > m[rg] ? bm : m[rg];
+            const __m512 e = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(sv, _mm512_set1_ps(mb))));
+            const __m256i pb = round_bf16(e);  // the weights V is multiplied by; l sums the same
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(&pp[rg * BS / 2]), pb);
+            cs[rg] = m[rg] == -INFINITY ? 0.f : fast_exp(m[rg] - mb);
+            l[rg] = l[rg] * cs[rg] + _mm512_reduce_add_ps(bf16_to_f(pb));
+            m[rg] = mb;
+          }
+        }
+        // V in pairs of keys; a key past n is zeros (its probability is 0, and 0 times what the
+        // cache holds there may be a NaN)
+        const int64_t pairs = (n + 1) / 2;
+        for (int64_t u = 0; u < pairs; ++u)
+          for (int i = 0; i < QV; ++i) {
+            const __m512i a = _mm512_loadu_si512(vc + base + 2 * u * D + 32 * i);
+            const __m512i b = 2 * u + 1 < n ? _mm512_loadu_si512(vc + base + (2 * u + 1) * D + 32 * i)
+                                            : _mm512_setzero_si512();
+            vp[u][2 * i] = _mm512_unpacklo_epi16(a, b);
+            vp[u][2 * i + 1] = _mm512_unpackhi_epi16(a, b);
+          }
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t nr = std::min<int64_t>(BS, lens[b0 + r] - j * BS);
+          for (int64_t g = 0; g < G && nr > 0; ++g) {
+            const int64_t rg = r * G + g;
+            const __m512 c = _mm512_set1_ps(cs[rg]);
+            __m512 a[DV];
+            for (int i = 0; i < DV; ++i) a[i] = _mm512_mul_ps(acc[rg * DV + i], c);
+            for (int64_t u = 0; u < (nr + 1) / 2; ++u) {
+              const __m512i pu = _mm512_set1_epi32(static_cast<int>(pp[rg * BS / 2 + u]));
+              for (int i = 0; i < DV; ++i) a[i] = dpbf16(a[i], pu, vp[u][i]);
+            }
+            for (int i = 0; i < DV; ++i) acc[rg * DV + i] = a[i];
+          }
+        }
+      }
+      // unpacklo's lanes 4L + j hold dims 8L + j, unpackhi's dims 8L + 4 + j
+      const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+      const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t rg = r * G + g;
+          const __m512 inv = _mm512_set1_ps(1.f / l[rg]);
+          bf16* o = out + ((b0 + r) * H + h * G + g) * D;
+          for (int i = 0; i < QV; ++i) {
+            const __m512 lo = acc[rg * DV + 2 * i], hi = acc[rg * DV + 2 * i + 1];
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 32 * i),
+                                round_bf16(_mm512_mul_ps(_mm512_permutex2var_ps(lo, first, hi), inv)));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 32 * i + 16),
+                                round_bf16(_mm512_mul_ps(_mm512_permutex2var_ps(lo, second, hi), inv)));
+          }
+        }
+    }
+  });
+}
 #endif
 
 // The AVX-512 path where it applies (a bf16 or fp32 cache, head_dim 64 or 128, block size 16);
@@ -337,6 +482,16 @@ bool try_avx512(const T* q, const T* kc, const T* vc, const int64_t* tables, con
 #if defined(__AVX512F__)
   if constexpr (std::is_same<T, bf16>::value || std::is_same<T, float>::value) {
     if (BS != 16) return false;
+    if constexpr (std::is_same<T, bf16>::value) {
+      if (attention_dpbf16_usable() && (D == 64 || D == 128)) {
+        const auto* q16 = reinterpret_cast<const uint16_t*>(q);
+        const auto* k16 = reinterpret_cast<const uint16_t*>(kc);
+        const auto* v16 = reinterpret_cast<const uint16_t*>(vc);
+        if (D == 64) decode_dpbf16<4>(q16, k16, v16, tables, lens, out, B, H, KVH, MB, scale, threads);
+        else decode_dpbf16<8>(q16, k16, v16, tables, lens, out, B, H, KVH, MB, scale, threads);
+        return true;
+      }
+    }
     if (D == 64) decode_avx512<T, 4>(q, kc, vc, tables, lens, out, B, H, KVH, MB, scale, threads);
     else if (D == 128) decode_avx512<T, 8>(q, kc, vc, tables, lens, out, B, H, KVH, MB, scale, threads);
     else return false;
@@ -427,6 +582,19 @@ inline uint8_t fp8_e4m3_byte(float x) {
 
 // q [B, H, D], caches [NB, KVH, BS, D] (one dtype), block_tables [B, MB] int64,
 // context_lens [B] int32 -> out [B, H, D]; head_dim <= 1024, block size <= 256
+// Whether bf16 paged attention off the AMX tiles takes the AVX512-BF16 kernel here (out[0]); with
+// on >= 0, set that first (on 0: the fp32 kernel; for benchmarks: a process that switches
+// mid-run loses batch invariance)
+extern "C" void lane_attention_dpbf16(int on, int64_t* out) {
+#if defined(__AVX512F__)
+  if (on >= 0) attention_dpbf16_enabled.store(on, std::memory_order_relaxed);
+  out[0] = attention_dpbf16_usable();
+#else
+  (void)on;
+  out[0] = 0;
+#endif
+}
+
 extern "C" void lane_paged_decode_attention(const void* q, const void* k_cache, const void* v_cache,
                                             int dtype, const int64_t* block_tables,
                                             const int32_t* context_lens, void* out, int64_t B,
