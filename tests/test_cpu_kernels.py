@@ -147,6 +147,45 @@ def test_bf16_attention_ignores_the_cache_past_the_context(kernel):
             assert torch.equal(out, clean), (kernel, int(lens[i]))
 
 
+@pytest.mark.parametrize("kernel", ["dpbf16", "fp32"])
+def test_bf16_attention_chunk_rows_ignore_later_positions(kernel):
+    """A chunk's rows share each block's K and V up to the chunk's longest row: a row must not
+    touch the keys after its own position, even where one of them is infinite (the AVX512-BF16
+    kernel takes V by pairs of keys: a row whose last key is the first of a pair must pair it
+    with zeros, as a decode row alone does, not with the next position's row times 0)."""
+    g = torch.Generator().manual_seed(6)
+    H, KVH, D, done, n = 9, 3, 64, 16, 12
+    kc = torch.randn(8, KVH, 16, D, generator=g).to(torch.bfloat16)
+    vc = torch.randn(8, KVH, 16, D, generator=g).to(torch.bfloat16)
+    ids = torch.tensor([3, 1, 6])
+    kc[ids[1], :, 5], vc[ids[1], :, 5] = float("inf"), float("inf")  # position 21
+    q = torch.randn(n, H, D, generator=g).to(torch.bfloat16)
+    with bf16_attention_kernel(kernel):
+        rows = cpu_kernels.prefill_rows_attention(q, kc, vc, ids, done, 0.125)
+        for i in range(5):  # positions 16..20: their contexts end before 21 (row 4's last key pairs with it)
+            alone = cpu_kernels.decode_attention(q[i:i + 1], kc, vc, ids[None], torch.tensor([done + i + 1],
+                                                                                           dtype=torch.int32), 0.125)
+            assert torch.isfinite(rows[i]).all(), (kernel, i)
+            assert torch.equal(rows[i:i + 1], alone), (kernel, i)
+
+
+def test_dpbf16_attention_is_the_kernel_that_runs():
+    """Where the CPU has AVX512-BF16 (and the AMX tiles are off), bf16 attention runs vdpbf16ps:
+    its query and probabilities rounded to bf16 make it differ from the fp32 kernel's, within
+    bf16 rounding."""
+    g = torch.Generator().manual_seed(7)
+    kc = torch.randn(16, 3, 16, 64, generator=g).to(torch.bfloat16)
+    vc = torch.randn(16, 3, 16, 64, generator=g).to(torch.bfloat16)
+    q = torch.randn(4, 9, 64, generator=g).to(torch.bfloat16)
+    tables, lens = torch.arange(16).view(4, 4), torch.tensor([64, 50, 33, 7], dtype=torch.int32)
+    with bf16_attention_kernel("dpbf16"):
+        dp = cpu_kernels.decode_attention(q, kc, vc, tables, lens, 0.125)
+    with bf16_attention_kernel("fp32"):
+        fp = cpu_kernels.decode_attention(q, kc, vc, tables, lens, 0.125)
+    assert not torch.equal(dp, fp)
+    torch.testing.assert_close(dp.float(), fp.float(), atol=2e-2, rtol=2e-2)
+
+
 def _chunk_rows_equal_decode_rows():
     g = torch.Generator().manual_seed(4)
     for H, KVH, D in ((9, 3, 64), (16, 1, 128), (32, 2, 64)):  # 5 positions a tile, 1, 1 (16 heads)

@@ -360,12 +360,12 @@ void decode_dpbf16(const uint16_t* qp, const uint16_t* kc, const uint16_t* vc, c
   const int64_t G = H / KVH, blk_stride = KVH * BS * D;
   const int64_t R = MB == 0 ? 4 : 1, groups = (B + R - 1) / R;
   parallel_for(groups * KVH, 1, threads, [&](int64_t begin, int64_t end) {
-    __m512i* qv = scratch<__m512i, 20>(R * G * QV);
-    __m512* acc = scratch<__m512, 21>(R * G * DV);
-    float* m = scratch<float, 22>(R * G);
-    float* l = scratch<float, 23>(R * G);
-    float* cs = scratch<float, 24>(R * G);
-    uint32_t* pp = scratch<uint32_t, 25>(R * G * BS / 2);  // bf16 probabilities, in pairs of keys
+    __m512i* qv = scratch<__m512i, 60>(R * G * QV);
+    __m512* acc = scratch<__m512, 61>(R * G * DV);
+    float* m = scratch<float, 62>(3 * R * G);
+    float* l = m + R * G;
+    float* cs = l + R * G;
+    uint32_t* pp = scratch<uint32_t, 63>(R * G * BS / 2);  // bf16 probabilities, in pairs of keys
     alignas(64) __m512i vp[BS / 2][DV];  // the block's V rows, in pairs of keys
     const __m512 vscale = _mm512_set1_ps(scale);
     for (int64_t k = begin; k < end; ++k) {
@@ -445,9 +445,20 @@ void decode_dpbf16(const uint16_t* qp, const uint16_t* kc, const uint16_t* vc, c
             const __m512 c = _mm512_set1_ps(cs[rg]);
             __m512 a[DV];
             for (int i = 0; i < DV; ++i) a[i] = _mm512_mul_ps(acc[rg * DV + i], c);
-            for (int64_t u = 0; u < (nr + 1) / 2; ++u) {
+            // an odd last key pairs with zeros, as when this row is the block's longest: a later
+            // chunk row's key there (probability 0) would add -0, or NaN where it is infinite
+            const int64_t whole = nr % 2 && nr < n ? nr / 2 : (nr + 1) / 2;
+            for (int64_t u = 0; u < whole; ++u) {
               const __m512i pu = _mm512_set1_epi32(static_cast<int>(pp[rg * BS / 2 + u]));
               for (int i = 0; i < DV; ++i) a[i] = dpbf16(a[i], pu, vp[u][i]);
+            }
+            if (whole < (nr + 1) / 2) {
+              const __m512i pu = _mm512_set1_epi32(static_cast<int>(pp[rg * BS / 2 + whole]));
+              for (int i = 0; i < QV; ++i) {
+                const __m512i last = _mm512_loadu_si512(vc + base + (nr - 1) * D + 32 * i);
+                a[2 * i] = dpbf16(a[2 * i], pu, _mm512_unpacklo_epi16(last, _mm512_setzero_si512()));
+                a[2 * i + 1] = dpbf16(a[2 * i + 1], pu, _mm512_unpackhi_epi16(last, _mm512_setzero_si512()));
+              }
             }
             for (int i = 0; i < DV; ++i) acc[rg * DV + i] = a[i];
           }
