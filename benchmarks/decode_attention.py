@@ -7,7 +7,9 @@ DRAM read bandwidth measured in the same run (a 1 GiB sum, `dram_bound.dram_read
 against torch's way (gather the blocks, repeat K/V for GQA, SDPA), which a serving engine
 without a paged kernel runs:
 - tiles: the AMX-BF16 kernel (`paged_attention_amx.cpp`, where the CPU has AMX-BF16),
-- avx512: the vector kernel (`paged_attention.cpp`: every other CPU; `LANE_CPU_AMX=0`),
+- dpbf16: the AVX512-BF16 vector kernel (`paged_attention.cpp`, where the CPU has AVX512-BF16:
+  what runs there without AMX, or with `LANE_CPU_AMX=0`),
+- avx512: the fp32 vector kernel (`paged_attention.cpp`: every other CPU),
 - torch: gather + `F.scaled_dot_product_attention`, one request at a time.
 
     python benchmarks/decode_attention.py [--rows 64] [--context 450] [--pool-gib 4]
@@ -94,10 +96,13 @@ def main() -> None:
     kinds = []
     if cpu_kernels.attention_amx():
         kinds.append("tiles")
+    if cpu_kernels.attention_dpbf16():
+        kinds.append("dpbf16")
     kinds.append("avx512" if cpu_kernels.isa() == "avx512" else cpu_kernels.isa())
     try:
         for kind in kinds:
             cpu_kernels.attention_amx(kind == "tiles")
+            cpu_kernels.attention_dpbf16(kind == "dpbf16")
             ms = best_ms(kernel)
             res[f"{kind}_ms"], res[f"{kind}_gbs"] = round(ms, 1), round(gbytes / ms * 1e3, 1)
             res[f"{kind}_of_dram"] = round(gbytes / ms * 1e3 / dram, 2)
@@ -105,6 +110,7 @@ def main() -> None:
                   f"({res[f'{kind}_of_dram']:.0%} of DRAM)", flush=True)
     finally:
         cpu_kernels.attention_amx(True)
+        cpu_kernels.attention_dpbf16(True)
     ms = best_ms(torch_way, rounds=2)
     res["torch_ms"] = round(ms, 1)
     print(f"  torch: {ms:7.1f} ms for {LAYERS} layers (gather + SDPA); kernels: "
