@@ -519,8 +519,8 @@ def attention_dpbf16(enable: bool | None = None) -> bool:
 
 
 def _amx_switch(name: str, enable: bool | None) -> bool:
-    """A kernel's switch (lane_bf16_amx, lane_attention_amx, lane_attention_dpbf16): set it (enable not None), then
-    whether its tiles are taken here."""
+    """A kernel's switch (lane_bf16_amx, lane_attention_amx, lane_attention_dpbf16): set it
+    (enable not None), then whether that kernel runs here."""
     if _lib is None:
         return False
     out = torch.zeros(1, dtype=torch.int64)

@@ -492,9 +492,9 @@ bool try_avx512(const T* q, const T* kc, const T* vc, const int64_t* tables, con
                 int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t BS, int64_t MB, float scale, int threads) {
 #if defined(__AVX512F__)
   if constexpr (std::is_same<T, bf16>::value || std::is_same<T, float>::value) {
-    if (BS != 16) return false;
+    if (BS != 16 || (D != 64 && D != 128)) return false;
     if constexpr (std::is_same<T, bf16>::value) {
-      if (attention_dpbf16_usable() && (D == 64 || D == 128)) {
+      if (attention_dpbf16_usable()) {
         const auto* q16 = reinterpret_cast<const uint16_t*>(q);
         const auto* k16 = reinterpret_cast<const uint16_t*>(kc);
         const auto* v16 = reinterpret_cast<const uint16_t*>(vc);
@@ -504,8 +504,7 @@ bool try_avx512(const T* q, const T* kc, const T* vc, const int64_t* tables, con
       }
     }
     if (D == 64) decode_avx512<T, 4>(q, kc, vc, tables, lens, out, B, H, KVH, MB, scale, threads);
-    else if (D == 128) decode_avx512<T, 8>(q, kc, vc, tables, lens, out, B, H, KVH, MB, scale, threads);
-    else return false;
+    else decode_avx512<T, 8>(q, kc, vc, tables, lens, out, B, H, KVH, MB, scale, threads);
     return true;
   }
 #endif
@@ -591,8 +590,6 @@ inline uint8_t fp8_e4m3_byte(float x) {
 
 }  // namespace
 
-// q [B, H, D], caches [NB, KVH, BS, D] (one dtype), block_tables [B, MB] int64,
-// context_lens [B] int32 -> out [B, H, D]; head_dim <= 1024, block size <= 256
 // Whether bf16 paged attention off the AMX tiles takes the AVX512-BF16 kernel here (out[0]); with
 // on >= 0, set that first (on 0: the fp32 kernel; for benchmarks: a process that switches
 // mid-run loses batch invariance)
@@ -606,6 +603,8 @@ extern "C" void lane_attention_dpbf16(int on, int64_t* out) {
 #endif
 }
 
+// q [B, H, D], caches [NB, KVH, BS, D] (one dtype), block_tables [B, MB] int64,
+// context_lens [B] int32 -> out [B, H, D]; head_dim <= 1024, block size <= 256
 extern "C" void lane_paged_decode_attention(const void* q, const void* k_cache, const void* v_cache,
                                             int dtype, const int64_t* block_tables,
                                             const int32_t* context_lens, void* out, int64_t B,
