@@ -188,7 +188,9 @@ def test_dpbf16_attention_is_the_kernel_that_runs():
 
 def _chunk_rows_equal_decode_rows():
     g = torch.Generator().manual_seed(4)
-    for H, KVH, D in ((9, 3, 64), (16, 1, 128), (32, 2, 64)):  # 5 positions a tile, 1, 1 (16 heads)
+    # (AMX: 5 positions a tile, 1, 1 (16 heads); AVX512-BF16: heads loaded with each K / V row
+    # in groups of 4 (D = 64) or 2 (D = 128), and the rest: 3, 2 x 8, 4 x 4, 4 + 3, 2 + 2 + 1)
+    for H, KVH, D in ((9, 3, 64), (16, 1, 128), (32, 2, 64), (14, 2, 64), (10, 2, 128)):
         nb, done, n = 48, 37, 45
         kc = torch.randn(nb, KVH, 16, D, generator=g).to(torch.bfloat16)
         vc = torch.randn(nb, KVH, 16, D, generator=g).to(torch.bfloat16)
