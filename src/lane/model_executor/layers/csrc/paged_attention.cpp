@@ -216,6 +216,26 @@ inline __m512 transpose_sum16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xdd));
 }
 
+// A row's softmax over its scores s (len keys, -inf past them, in blocks of 16), the three-pass
+// kernels' middle pass: one maximum, then block j's exp(s - max) (0 past len) handed to
+// put(j, e), which stores them as its kernel takes them and returns what the sum adds (the
+// same values, or their bf16 rounding). Returns 1 / the sum.
+template <typename Put>
+inline float softmax_blocks(const float* s, int64_t len, const Put& put) {
+  constexpr int64_t BS = 16;
+  const int64_t nb = (len + BS - 1) / BS;
+  __m512 vm = _mm512_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < nb; ++j) vm = _mm512_max_ps(vm, _mm512_loadu_ps(s + j * BS));
+  const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vm));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < nb; ++j) {
+    const int64_t nr = std::min<int64_t>(BS, len - j * BS);
+    const __mmask16 valid = static_cast<__mmask16>((1u << nr) - 1u);
+    sum = _mm512_add_ps(sum, put(j, _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(_mm512_loadu_ps(s + j * BS), mx)))));
+  }
+  return 1.f / _mm512_reduce_add_ps(sum);
+}
+
 // AVX-512 path for a bf16 or fp32 cache, head_dim = 16 * DV, block size 16: K/V rows widen to
 // fp32 once a block for every head and row; a block's 16 scores per head come out of one
 // transposed sum. The softmax takes decode_dpbf16's three passes (there: why): on Zen 4, 64 rows
@@ -294,25 +314,15 @@ void decode_avx512(const T* q_, const T* kc_, const T* vc_, const int64_t* table
           }
         }
       }
-      // 2. per row and head: the maximum, the probabilities (in place of the scores), their sum
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t len = lens[b0 + r], nb = (len + BS - 1) / BS;
+      // 2. per row and head: the probabilities (in place of the scores) and 1 / their sum
+      for (int64_t r = 0; r < rows; ++r)
         for (int64_t g = 0; g < G; ++g) {
           float* s = sc + (r * G + g) * Lpad;
-          __m512 vm = ninf;
-          for (int64_t j = 0; j < nb; ++j) vm = _mm512_max_ps(vm, _mm512_loadu_ps(s + j * BS));
-          const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vm));
-          __m512 sum = _mm512_setzero_ps();
-          for (int64_t j = 0; j < nb; ++j) {
-            const int64_t nr = std::min<int64_t>(BS, len - j * BS);
-            const __mmask16 valid = static_cast<__mmask16>((1u << nr) - 1u);
-            const __m512 e = _mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(_mm512_loadu_ps(s + j * BS), mx)));
+          inv[r * G + g] = softmax_blocks(s, lens[b0 + r], [&](int64_t j, __m512 e) {
             _mm512_storeu_ps(s + j * BS, e);
-            sum = _mm512_add_ps(sum, e);
-          }
-          inv[r * G + g] = 1.f / _mm512_reduce_add_ps(sum);
+            return e;
+          });
         }
-      }
       // 3. acc += p . v, head by head with its accumulators in registers (a count of heads known
       // only at run time kept them in memory, a load and a store at every FMA), over the block's
       // V rows widened once for every head and row; each lane's sum runs over t in order
@@ -468,7 +478,7 @@ void decode_dpbf16(const uint16_t* qp, const uint16_t* kc, const uint16_t* vc, c
     float* sc = scratch<float, 62>(R * G * (Lpad + 1));  // scores, a row's then 1 / its sum
     float* inv = sc + R * G * Lpad;
     uint32_t* pp = scratch<uint32_t, 63>(R * G * Lpad / 2);  // bf16 probabilities, in pairs of keys
-    const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+    const __m512 vscale = _mm512_set1_ps(scale);
     // a block's K or V rows into L2 (prefetcht1): on Zen 4, prefetcht0's 64 lines a block wait
     // on the L1's few miss buffers, and a 64-row step's attention ran 1.35x longer
     const auto prefetch_block = [&](const uint16_t* p) {
@@ -529,27 +539,17 @@ void decode_dpbf16(const uint16_t* qp, const uint16_t* kc, const uint16_t* vc, c
           }
         }
       }
-      // 2. per row and head: the maximum, the probabilities rounded to bf16 (the weights V is
-      // multiplied by), and their sum
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t len = lens[b0 + r], nb = (len + BS - 1) / BS;
+      // 2. per row and head: the probabilities rounded to bf16 (the weights V is multiplied by)
+      // and 1 / their sum
+      for (int64_t r = 0; r < rows; ++r)
         for (int64_t g = 0; g < G; ++g) {
-          const float* s = sc + (r * G + g) * Lpad;
-          __m512 vm = ninf;
-          for (int64_t j = 0; j < nb; ++j) vm = _mm512_max_ps(vm, _mm512_loadu_ps(s + j * BS));
-          const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vm));
-          __m512 sum = _mm512_setzero_ps();
-          for (int64_t j = 0; j < nb; ++j) {
-            const int64_t nr = std::min<int64_t>(BS, len - j * BS);
-            const __mmask16 valid = static_cast<__mmask16>((1u << nr) - 1u);
-            const __m256i pb =
-                round_bf16(_mm512_maskz_mov_ps(valid, exp512(_mm512_sub_ps(_mm512_loadu_ps(s + j * BS), mx))));
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(&pp[(r * G + g) * Lpad / 2 + j * BS / 2]), pb);
-            sum = _mm512_add_ps(sum, bf16_to_f(pb));
-          }
-          inv[r * G + g] = 1.f / _mm512_reduce_add_ps(sum);
+          uint32_t* pr = &pp[(r * G + g) * Lpad / 2];
+          inv[r * G + g] = softmax_blocks(sc + (r * G + g) * Lpad, lens[b0 + r], [&](int64_t j, __m512 e) {
+            const __m256i pb = round_bf16(e);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j * BS / 2), pb);
+            return bf16_to_f(pb);
+          });
         }
-      }
       // 3. V, each row's keys in pairs (block_pv)
       for (int64_t j = 0; j < nblocks; ++j) {
         if (j < next_blocks) prefetch_block(kc + next_table[j] * blk_stride + next_head);  // the next item's pass 1
