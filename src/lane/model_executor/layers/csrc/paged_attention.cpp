@@ -216,6 +216,23 @@ inline __m512 transpose_sum16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xdd));
 }
 
+// A block's n K or V values into L2 (prefetcht1), for the three-pass kernels: on Zen 4,
+// prefetcht0's 64 lines a block wait on the L1's few miss buffers, and a 64-row step's attention
+// ran 1.35x longer
+template <typename E>
+inline void prefetch_block(const E* p, int64_t n) {
+  for (int64_t off = 0; off < n; off += 64 / static_cast<int64_t>(sizeof(E)))
+    _mm_prefetch(reinterpret_cast<const char*>(p + off), _MM_HINT_T1);
+}
+
+// The longest context of the batch, in whole blocks of 16: the stride of the three-pass kernels'
+// per-row scores
+inline int64_t padded_context(const int32_t* lens, int64_t B) {
+  int64_t L = 0;
+  for (int64_t b = 0; b < B; ++b) L = std::max<int64_t>(L, lens[b]);
+  return (L + 15) / 16 * 16;
+}
+
 // A row's softmax over its scores s (len keys, -inf past them, in blocks of 16), the three-pass
 // kernels' middle pass: one maximum, then block j's exp(s - max) (0 past len) handed to
 // put(j, e), which stores them as its kernel takes them and returns what the sum adds (the
@@ -256,9 +273,7 @@ void decode_avx512(const T* q_, const T* kc_, const T* vc_, const int64_t* table
   // arithmetic is the same as alone (lanes past its length are masked out of its softmax and
   // sums), so its output is too.
   const int64_t R = MB == 0 ? 4 : 1, groups = (B + R - 1) / R;
-  int64_t Lall = 0;
-  for (int64_t b = 0; b < B; ++b) Lall = std::max<int64_t>(Lall, lens[b]);
-  const int64_t Lpad = (Lall + BS - 1) / BS * BS;
+  const int64_t Lpad = padded_context(lens, B);
   constexpr int64_t kAhead = 2;  // K blocks asked for ahead (decode_dpbf16's)
   parallel_for(groups * KVH, 1, threads, [&](int64_t begin, int64_t end) {
     __m512* qv = scratch<__m512, 64>(R * G * DV);
@@ -267,10 +282,6 @@ void decode_avx512(const T* q_, const T* kc_, const T* vc_, const int64_t* table
     float* inv = sc + R * G * Lpad;
     alignas(64) float kf[BS * D];  // the block's K rows widened, then its V rows
     const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
-    const auto prefetch_block = [&](const E* p) {
-      for (int64_t off = 0; off < BS * D; off += 64 / static_cast<int64_t>(sizeof(E)))
-        _mm_prefetch(reinterpret_cast<const char*>(p + off), _MM_HINT_T1);
-    };
     for (int64_t k = begin; k < end; ++k) {
       const int64_t item = zigzag(k, groups * KVH), b0 = item / KVH * R, h = item % KVH;
       const int64_t rows = std::min(R, B - b0);
@@ -287,13 +298,13 @@ void decode_avx512(const T* q_, const T* kc_, const T* vc_, const int64_t* table
       const int64_t* table = tables + b0 * MB;
       const int64_t nblocks = (Lmax + BS - 1) / BS, head = h * BS * D;
       if (k == begin)
-        for (int64_t j = 0; j < std::min(nblocks, kAhead); ++j) prefetch_block(kc + table[j] * blk_stride + head);
+        for (int64_t j = 0; j < std::min(nblocks, kAhead); ++j) prefetch_block(kc + table[j] * blk_stride + head, BS * D);
       // 1. the scores (decode_dpbf16's passes, and why), over the block's K rows widened once
       // for every head and row; keys past a row's length are -inf
       for (int64_t j = 0; j < nblocks; ++j) {
         const int64_t base = table[j] * blk_stride + head, n = std::min(BS, Lmax - j * BS);  // the longest row's
-        if (j + kAhead < nblocks) prefetch_block(kc + table[j + kAhead] * blk_stride + head);
-        prefetch_block(vc + base);  // for pass 3
+        if (j + kAhead < nblocks) prefetch_block(kc + table[j + kAhead] * blk_stride + head, BS * D);
+        prefetch_block(vc + base, BS * D);  // for pass 3
         // rows past n are zeros here, never the cache's contents (which may be anything)
         for (int64_t t = 0; t < BS; ++t)
           for (int i = 0; i < DV; ++i)
@@ -469,9 +480,7 @@ void decode_dpbf16(const uint16_t* qp, const uint16_t* kc, const uint16_t* vc, c
   constexpr int64_t kAhead = 2;
   const int64_t G = H / KVH, blk_stride = KVH * BS * D;
   const int64_t R = MB == 0 ? 4 : 1, groups = (B + R - 1) / R;
-  int64_t Lall = 0;
-  for (int64_t b = 0; b < B; ++b) Lall = std::max<int64_t>(Lall, lens[b]);
-  const int64_t Lpad = (Lall + BS - 1) / BS * BS;
+  const int64_t Lpad = padded_context(lens, B);
   parallel_for(groups * KVH, 1, threads, [&](int64_t begin, int64_t end) {
     __m512i* qv = scratch<__m512i, 60>(R * G * QV);
     __m512* acc = scratch<__m512, 61>(R * G * DV);
@@ -479,11 +488,6 @@ void decode_dpbf16(const uint16_t* qp, const uint16_t* kc, const uint16_t* vc, c
     float* inv = sc + R * G * Lpad;
     uint32_t* pp = scratch<uint32_t, 63>(R * G * Lpad / 2);  // bf16 probabilities, in pairs of keys
     const __m512 vscale = _mm512_set1_ps(scale);
-    // a block's K or V rows into L2 (prefetcht1): on Zen 4, prefetcht0's 64 lines a block wait
-    // on the L1's few miss buffers, and a 64-row step's attention ran 1.35x longer
-    const auto prefetch_block = [&](const uint16_t* p) {
-      for (int64_t off = 0; off < BS * D; off += 32) _mm_prefetch(reinterpret_cast<const char*>(p + off), _MM_HINT_T1);
-    };
     for (int64_t k = begin; k < end; ++k) {
       const int64_t item = zigzag(k, groups * KVH), b0 = item / KVH * R, h = item % KVH;
       const int64_t rows = std::min(R, B - b0);
@@ -516,12 +520,12 @@ void decode_dpbf16(const uint16_t* qp, const uint16_t* kc, const uint16_t* vc, c
         next_table = tables + nb0 * MB;
       }
       if (k == begin)
-        for (int64_t j = 0; j < std::min(nblocks, kAhead); ++j) prefetch_block(kc + table[j] * blk_stride + head);
+        for (int64_t j = 0; j < std::min(nblocks, kAhead); ++j) prefetch_block(kc + table[j] * blk_stride + head, BS * D);
       // 1. the scores, a block's 16 keys per head out of one transposed sum; keys past a row's
       // length (whatever the cache holds there) are -inf
       for (int64_t j = 0; j < nblocks; ++j) {
-        if (j + kAhead < nblocks) prefetch_block(kc + table[j + kAhead] * blk_stride + head);
-        prefetch_block(vc + table[j] * blk_stride + head);  // for pass 3
+        if (j + kAhead < nblocks) prefetch_block(kc + table[j + kAhead] * blk_stride + head, BS * D);
+        prefetch_block(vc + table[j] * blk_stride + head, BS * D);  // for pass 3
         const uint16_t* kb = kc + table[j] * blk_stride + head;
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t nr = std::min<int64_t>(BS, lens[b0 + r] - j * BS);
@@ -552,7 +556,7 @@ void decode_dpbf16(const uint16_t* qp, const uint16_t* kc, const uint16_t* vc, c
         }
       // 3. V, each row's keys in pairs (block_pv)
       for (int64_t j = 0; j < nblocks; ++j) {
-        if (j < next_blocks) prefetch_block(kc + next_table[j] * blk_stride + next_head);  // the next item's pass 1
+        if (j < next_blocks) prefetch_block(kc + next_table[j] * blk_stride + next_head, BS * D);  // the next item's pass 1
         const uint16_t* vb = vc + table[j] * blk_stride + head;
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t nr = std::min<int64_t>(BS, lens[b0 + r] - j * BS);
