@@ -73,17 +73,17 @@ def test_int8_cache_write_of_rows_with_nan_inf_or_no_scale():
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["int8", "fp8_e4m3"])
-def test_8bit_cache_on_amx_tiles_chunk_rows_equal_decode_rows(fp8):
-    """bf16 rows over an 8-bit cache on the AMX tiles (where the CPU has them): each block
-    dequantized to bf16 as it is packed, so the rows are within bf16 rounding of a float64
-    softmax over the dequantized cache, and a prefill chunk's rows (one table, each at its own
-    context length) are bit for bit the rows a decode step gives, alone or in a batch big enough
-    that a request's KV heads go through the context together."""
+def test_8bit_cache_chunk_rows_equal_decode_rows(fp8):
+    """bf16 rows over an 8-bit cache, on whichever kernel this CPU runs (the AMX tiles, each block
+    dequantized to bf16 as it is packed; int8 on AVX-512 VNNI, in integer dot products; else the
+    float kernel): within bf16 rounding of a float64 softmax over the dequantized cache, and a
+    prefill chunk's rows (one table, each at its own context length) bit for bit the rows a
+    decode step gives, alone or in a batch big enough that a request's KV heads go through the
+    context together. Head groups of 3, 16, 7 and 5: every split of a group into the kernels'
+    chunks of heads."""
     assert cpu_kernels.build()
-    if not cpu_kernels.attention_amx():
-        pytest.skip("no AMX-BF16 here (or LANE_CPU_AMX=0): 8-bit attention runs the vector kernel")
     g = torch.Generator().manual_seed(5)
-    for H, KVH, D in ((9, 3, 64), (16, 1, 128)):
+    for H, KVH, D in ((9, 3, 64), (16, 1, 128), (14, 2, 64), (10, 2, 128)):
         nb, n = 24, 90
         k, v = torch.randn(nb * 16, KVH, D, generator=g) * 3, torch.randn(nb * 16, KVH, D, generator=g)
         store = torch.uint8 if fp8 else torch.int8
@@ -158,6 +158,28 @@ def test_smollm_int8_cache_tokens_do_not_depend_on_chunks_or_prefix_hits(smollm_
         chunked.shutdown()
     ref = [o.outputs[0].token_ids for o in smollm_fp32["auto"].generate(prompts, sp, use_tqdm=False)]
     assert sum(a == b for x, y in zip(whole, ref) for a, b in zip(x, y)) >= 0.5 * 32
+
+
+def test_smollm_bf16_int8_cache_tokens_do_not_depend_on_chunks_or_prefix_hits():
+    """The same in bf16, whose rows take the 8-bit kernel for 16-bit queries (on AVX-512 VNNI: the
+    integer one): 16-token chunks, whole prompts and a prefix-cache hit give the same tokens."""
+    prompts = ["The history of the printing press begins in the fifteenth century, when Johannes Gutenberg "
+               "combined movable metal type, oil-based ink and a wooden press. Within fifty years",
+               "Photosynthesis turns light, water and carbon dioxide into sugar and oxygen; its first stage"]
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    kw = dict(dtype="bfloat16", show_progress=False, max_model_len=1024, kv_cache_memory_bytes=64 << 20,
+              kv_cache_dtype="int8")
+    outs = []
+    for chunk in (16, 2048):
+        llm = LLM(max_num_batched_tokens=chunk, **kw)
+        try:
+            outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)])
+            hits = llm.prefix_cache_stats.hits
+            outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)])
+            assert llm.prefix_cache_stats.hits > hits
+        finally:
+            llm.shutdown()
+    assert outs[0] == outs[1] == outs[2] == outs[3]
 
 
 def test_8bit_cache_refused_where_a_layer_cannot_keep_it():
