@@ -167,11 +167,18 @@ def test_smollm_bf16_int8_cache_tokens_do_not_depend_on_chunks_or_prefix_hits():
                "combined movable metal type, oil-based ink and a wooden press. Within fifty years",
                "Photosynthesis turns light, water and carbon dioxide into sugar and oxygen; its first stage"]
     sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    kw = dict(dtype="bfloat16", show_progress=False, max_model_len=1024, kv_cache_memory_bytes=64 << 20,
-              kv_cache_dtype="int8")
+    outs = _tokens_in_chunks_and_after_hits(lambda chunk: LLM(
+        dtype="bfloat16", show_progress=False, max_model_len=1024, kv_cache_memory_bytes=64 << 20,
+        kv_cache_dtype="int8", max_num_batched_tokens=chunk), prompts, sp)
+    assert outs[0] == outs[1] == outs[2] == outs[3]
+
+
+def _tokens_in_chunks_and_after_hits(make_llm, prompts, sp) -> list:
+    """Each prompt's greedy tokens from an engine of 16-token chunks and one of whole prompts
+    (make_llm(chunk)), each run twice: the second run a prefix-cache hit (asserted)."""
     outs = []
     for chunk in (16, 2048):
-        llm = LLM(max_num_batched_tokens=chunk, **kw)
+        llm = make_llm(chunk)
         try:
             outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)])
             hits = llm.prefix_cache_stats.hits
@@ -179,7 +186,7 @@ def test_smollm_bf16_int8_cache_tokens_do_not_depend_on_chunks_or_prefix_hits():
             assert llm.prefix_cache_stats.hits > hits
         finally:
             llm.shutdown()
-    assert outs[0] == outs[1] == outs[2] == outs[3]
+    return outs
 
 
 def test_8bit_cache_refused_where_a_layer_cannot_keep_it():
@@ -220,16 +227,8 @@ def test_deepseek_8bit_caches_do_not_depend_on_chunks_or_prefix_hits(tiny_deepse
     g = torch.Generator().manual_seed(1)
     prompts = [{"prompt_token_ids": torch.randint(3, 49152, (n,), generator=g).tolist()} for n in (7, 40, 70)]
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    outs = []
-    for chunk in (16, 2048):
-        llm = LLM(tiny_deepseek[arch], kv_cache_dtype=kind, max_num_batched_tokens=chunk, **DS_KW)
-        try:
-            outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)])
-            hits = llm.prefix_cache_stats.hits
-            outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)])
-            assert llm.prefix_cache_stats.hits > hits
-        finally:
-            llm.shutdown()
+    outs = _tokens_in_chunks_and_after_hits(
+        lambda chunk: LLM(tiny_deepseek[arch], kv_cache_dtype=kind, max_num_batched_tokens=chunk, **DS_KW), prompts, sp)
     assert outs[0] == outs[1] == outs[2] == outs[3]
 
 

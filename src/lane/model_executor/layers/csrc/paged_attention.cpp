@@ -233,6 +233,21 @@ inline int64_t padded_context(const int32_t* lens, int64_t B) {
   return (L + 15) / 16 * 16;
 }
 
+// The three-pass kernels walk over items, each a group of R rows
+// (R > 1: a chunk's, on one table) and one KV head: its first row, rows, head, the longest
+// context of its rows and its table
+struct Item {
+  int64_t b0, rows, h, len;
+  const int64_t* table;
+};
+inline Item item_at(int64_t k, int64_t groups, int64_t KVH, int64_t R, int64_t B, const int32_t* lens,
+                    const int64_t* tables, int64_t MB) {
+  const int64_t i = zigzag(k, groups * KVH), b0 = i / KVH * R, rows = std::min(R, B - b0);
+  int64_t len = 0;
+  for (int64_t r = 0; r < rows; ++r) len = std::max<int64_t>(len, lens[b0 + r]);
+  return {b0, rows, i % KVH, len, tables + b0 * MB};
+}
+
 // A row's softmax over its scores s (len keys, -inf past them, in blocks of 16), the three-pass
 // kernels' middle pass: one maximum, then block j's exp(s - max) (0 past len) handed to
 // put(j, e), which stores them as its kernel takes them and returns what the sum adds (the
@@ -283,19 +298,17 @@ void decode_avx512(const T* q_, const T* kc_, const T* vc_, const int64_t* table
     alignas(64) float kf[BS * D];  // the block's K rows widened, then its V rows
     const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
     for (int64_t k = begin; k < end; ++k) {
-      const int64_t item = zigzag(k, groups * KVH), b0 = item / KVH * R, h = item % KVH;
-      const int64_t rows = std::min(R, B - b0);
-      int64_t Lmax = 0;
+      const Item it = item_at(k, groups, KVH, R, B, lens, tables, MB);
+      const int64_t b0 = it.b0, rows = it.rows, h = it.h, Lmax = it.len;
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t b = b0 + r;
-        Lmax = std::max<int64_t>(Lmax, lens[b]);
         for (int64_t g = 0; g < G; ++g)
           for (int i = 0; i < DV; ++i) {
             qv[(r * G + g) * DV + i] = _mm512_mul_ps(load16(qp + (b * H + h * G + g) * D + 16 * i), vscale);
             acc[(r * G + g) * DV + i] = _mm512_setzero_ps();
           }
       }
-      const int64_t* table = tables + b0 * MB;
+      const int64_t* table = it.table;
       const int64_t nblocks = (Lmax + BS - 1) / BS, head = h * BS * D;
       if (k == begin)
         for (int64_t j = 0; j < std::min(nblocks, kAhead); ++j) prefetch_block(kc + table[j] * blk_stride + head, BS * D);
@@ -451,6 +464,27 @@ inline void block_pv(__m512* acc, const uint32_t* pp, int64_t stride, const uint
     for (int i = 0; i < DV; ++i) acc[g * DV + i] = a[g][i];
 }
 
+// f(g, n) over a group's G heads in chunks of up to GC, n the chunk's size as a compile-time
+// constant (1, 2, 3 or GC), for the kernels whose rows are loaded once for a chunk of heads
+template <int GC, typename F>
+inline void head_chunks(int64_t G, const F& f) {
+  for (int64_t g = 0; g < G; g += GC) switch (std::min<int64_t>(GC, G - g)) {
+      case 1: f(g, std::integral_constant<int, 1>{}); break;
+      case 2: f(g, std::integral_constant<int, 2>{}); break;
+      case 3: f(g, std::integral_constant<int, 3>{}); break;
+      default: f(g, std::integral_constant<int, GC>{});
+    }
+}
+
+// block_pv's sums back in dim order (unpacklo's lanes 4L + j hold dims 8L + j, unpackhi's
+// 8L + 4 + j): a head's dims 32i .. 32i + 31 from its sums lo = acc[2i], hi = acc[2i + 1], times il
+inline void dims_in_order(__m512 lo, __m512 hi, __m512 il, __m512& first16, __m512& second16) {
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  first16 = _mm512_mul_ps(_mm512_permutex2var_ps(lo, first, hi), il);
+  second16 = _mm512_mul_ps(_mm512_permutex2var_ps(lo, second, hi), il);
+}
+
 // The AVX512-BF16 path for a bf16 cache, head_dim = 16 * DV (CPUs with AVX512-BF16 where the AMX
 // tiles do not run: Zen 4, Cooper Lake, or LANE_CPU_AMX=0). The fp32 kernel above widens every K
 // and V value and spends ~90 instructions per key and KV head (compute-bound at ~11 GB/s a core
@@ -489,12 +523,10 @@ void decode_dpbf16(const uint16_t* qp, const uint16_t* kc, const uint16_t* vc, c
     uint32_t* pp = scratch<uint32_t, 63>(R * G * Lpad / 2);  // bf16 probabilities, in pairs of keys
     const __m512 vscale = _mm512_set1_ps(scale);
     for (int64_t k = begin; k < end; ++k) {
-      const int64_t item = zigzag(k, groups * KVH), b0 = item / KVH * R, h = item % KVH;
-      const int64_t rows = std::min(R, B - b0);
-      int64_t Lmax = 0;
+      const Item it = item_at(k, groups, KVH, R, B, lens, tables, MB);
+      const int64_t b0 = it.b0, rows = it.rows, h = it.h;
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t b = b0 + r;
-        Lmax = std::max<int64_t>(Lmax, lens[b]);
         for (int64_t g = 0; g < G; ++g) {
           const uint16_t* qr = qp + (b * H + h * G + g) * D;
           for (int i = 0; i < QV; ++i) {
@@ -506,19 +538,12 @@ void decode_dpbf16(const uint16_t* qp, const uint16_t* kc, const uint16_t* vc, c
           for (int i = 0; i < DV; ++i) acc[(r * G + g) * DV + i] = _mm512_setzero_ps();
         }
       }
-      const int64_t* table = tables + b0 * MB;
-      const int64_t nblocks = (Lmax + BS - 1) / BS, head = h * BS * D;
+      const int64_t* table = it.table;
+      const int64_t nblocks = (it.len + BS - 1) / BS, head = h * BS * D;
       // the next item's first kAhead K blocks, asked for while this one's V pass runs
-      int64_t next_blocks = 0, next_head = 0;
-      const int64_t* next_table = table;
-      if (k + 1 < end) {
-        const int64_t ni = zigzag(k + 1, groups * KVH), nb0 = ni / KVH * R;
-        int64_t nl = 0;
-        for (int64_t r = 0; r < std::min(R, B - nb0); ++r) nl = std::max<int64_t>(nl, lens[nb0 + r]);
-        next_blocks = std::min((nl + BS - 1) / BS, kAhead);
-        next_head = ni % KVH * BS * D;
-        next_table = tables + nb0 * MB;
-      }
+      const Item next = k + 1 < end ? item_at(k + 1, groups, KVH, R, B, lens, tables, MB) : Item{0, 0, 0, 0, table};
+      const int64_t next_blocks = std::min((next.len + BS - 1) / BS, kAhead), next_head = next.h * BS * D;
+      const int64_t* next_table = next.table;
       if (k == begin)
         for (int64_t j = 0; j < std::min(nblocks, kAhead); ++j) prefetch_block(kc + table[j] * blk_stride + head, BS * D);
       // 1. the scores, a block's 16 keys per head out of one transposed sum; keys past a row's
@@ -531,16 +556,9 @@ void decode_dpbf16(const uint16_t* qp, const uint16_t* kc, const uint16_t* vc, c
           const int64_t nr = std::min<int64_t>(BS, lens[b0 + r] - j * BS);
           if (nr <= 0) continue;
           const __mmask16 valid = static_cast<__mmask16>((1u << nr) - 1u);
-          for (int64_t g = 0; g < G; g += GC) {
-            const __m512i* q = &qv[(r * G + g) * QV];
-            float* dst = sc + (r * G + g) * Lpad + j * BS;
-            switch (std::min(GC, G - g)) {
-              case 1: block_scores<DV, 1>(q, kb, valid, dst, Lpad); break;
-              case 2: block_scores<DV, 2>(q, kb, valid, dst, Lpad); break;
-              case 3: block_scores<DV, 3>(q, kb, valid, dst, Lpad); break;
-              default: block_scores<DV, GC>(q, kb, valid, dst, Lpad);
-            }
-          }
+          head_chunks<GC>(G, [&](int64_t g, auto n) {
+            block_scores<DV, decltype(n)::value>(&qv[(r * G + g) * QV], kb, valid, sc + (r * G + g) * Lpad + j * BS, Lpad);
+          });
         }
       }
       // 2. per row and head: the probabilities rounded to bf16 (the weights V is multiplied by)
@@ -561,32 +579,21 @@ void decode_dpbf16(const uint16_t* qp, const uint16_t* kc, const uint16_t* vc, c
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t nr = std::min<int64_t>(BS, lens[b0 + r] - j * BS);
           if (nr <= 0) continue;
-          for (int64_t g = 0; g < G; g += GC) {
-            __m512* a = &acc[(r * G + g) * DV];
-            const uint32_t* pr = &pp[(r * G + g) * Lpad / 2 + j * BS / 2];
-            switch (std::min(GC, G - g)) {
-              case 1: block_pv<DV, 1>(a, pr, Lpad / 2, vb, nr); break;
-              case 2: block_pv<DV, 2>(a, pr, Lpad / 2, vb, nr); break;
-              case 3: block_pv<DV, 3>(a, pr, Lpad / 2, vb, nr); break;
-              default: block_pv<DV, GC>(a, pr, Lpad / 2, vb, nr);
-            }
-          }
+          head_chunks<GC>(G, [&](int64_t g, auto n) {
+            block_pv<DV, decltype(n)::value>(&acc[(r * G + g) * DV], &pp[(r * G + g) * Lpad / 2 + j * BS / 2], Lpad / 2,
+                                             vb, nr);
+          });
         }
       }
-      // unpacklo's lanes 4L + j hold dims 8L + j, unpackhi's dims 8L + 4 + j
-      const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-      const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t g = 0; g < G; ++g) {
           const int64_t rg = r * G + g;
-          const __m512 il = _mm512_set1_ps(inv[rg]);
           bf16* o = out + ((b0 + r) * H + h * G + g) * D;
           for (int i = 0; i < QV; ++i) {
-            const __m512 lo = acc[rg * DV + 2 * i], hi = acc[rg * DV + 2 * i + 1];
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 32 * i),
-                                round_bf16(_mm512_mul_ps(_mm512_permutex2var_ps(lo, first, hi), il)));
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 32 * i + 16),
-                                round_bf16(_mm512_mul_ps(_mm512_permutex2var_ps(lo, second, hi), il)));
+            __m512 d0, d1;
+            dims_in_order(acc[rg * DV + 2 * i], acc[rg * DV + 2 * i + 1], _mm512_set1_ps(inv[rg]), d0, d1);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 32 * i), round_bf16(d0));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 32 * i + 16), round_bf16(d1));
           }
         }
     }
@@ -707,12 +714,10 @@ LANE_C8_VNNI void c8_items(const T* qp, const int8_t* kc, const int8_t* vc, cons
   uint32_t* pp = scratch<uint32_t, 66>(R * G * Lpad / 2);  // int16 probabilities, in pairs of keys
   const __m512 vscale = _mm512_set1_ps(scale);
   for (int64_t k = begin; k < end; ++k) {
-    const int64_t item = zigzag(k, groups * KVH), b0 = item / KVH * R, h = item % KVH;
-    const int64_t rows = std::min(R, B - b0);
-    int64_t Lmax = 0;
+    const Item it = item_at(k, groups, KVH, R, B, lens, tables, MB);
+    const int64_t b0 = it.b0, rows = it.rows, h = it.h;
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t b = b0 + r;
-      Lmax = std::max<int64_t>(Lmax, lens[b]);
       for (int64_t g = 0; g < G; ++g) {
         const T* qr = qp + (b * H + h * G + g) * D;
         __m512 x[DV], mx = _mm512_setzero_ps();
@@ -728,20 +733,13 @@ LANE_C8_VNNI void c8_items(const T* qp, const int8_t* kc, const int8_t* vc, cons
         for (int i = 0; i < DV; ++i) acc[(r * G + g) * DV + i] = _mm512_setzero_ps();
       }
     }
-    const int64_t* table = tables + b0 * MB;
-    const int64_t nblocks = (Lmax + BS - 1) / BS, head = h * BS * D;
+    const int64_t* table = it.table;
+    const int64_t nblocks = (it.len + BS - 1) / BS, head = h * BS * D;
     auto kscale = [&](int64_t j) { return ksc + (table[j] * KVH + h) * BS; };
     auto vscale_of = [&](int64_t j) { return vsc + (table[j] * KVH + h) * BS; };
-    int64_t next_blocks = 0, next_head = 0;
-    const int64_t* next_table = table;
-    if (k + 1 < end) {
-      const int64_t ni = zigzag(k + 1, groups * KVH), nb0 = ni / KVH * R;
-      int64_t nl = 0;
-      for (int64_t r = 0; r < std::min(R, B - nb0); ++r) nl = std::max<int64_t>(nl, lens[nb0 + r]);
-      next_blocks = std::min((nl + BS - 1) / BS, kAhead);
-      next_head = ni % KVH * BS * D;
-      next_table = tables + nb0 * MB;
-    }
+    const Item next = k + 1 < end ? item_at(k + 1, groups, KVH, R, B, lens, tables, MB) : Item{0, 0, 0, 0, table};
+    const int64_t next_blocks = std::min((next.len + BS - 1) / BS, kAhead), next_head = next.h * BS * D;
+    const int64_t* next_table = next.table;
     if (k == begin)
       for (int64_t j = 0; j < std::min(nblocks, kAhead); ++j) prefetch_block(kc + table[j] * blk_stride + head, BS * D);
     // 1. the scores
@@ -758,17 +756,10 @@ LANE_C8_VNNI void c8_items(const T* qp, const int8_t* kc, const int8_t* vc, cons
         const int64_t nr = std::min<int64_t>(BS, lens[b0 + r] - j * BS);
         if (nr <= 0) continue;
         const __mmask16 valid = static_cast<__mmask16>((1u << nr) - 1u);
-        for (int64_t g = 0; g < G; g += GC) {
-          const __m512i* q = &qv[(r * G + g) * QV];
-          const float* qsg = qs + r * G + g;
-          float* dst = sc + (r * G + g) * Lpad + j * BS;
-          switch (std::min(GC, G - g)) {
-            case 1: block_scores_i8<DV, 1>(q, qsg, kb, ks, valid, dst, Lpad); break;
-            case 2: block_scores_i8<DV, 2>(q, qsg, kb, ks, valid, dst, Lpad); break;
-            case 3: block_scores_i8<DV, 3>(q, qsg, kb, ks, valid, dst, Lpad); break;
-            default: block_scores_i8<DV, GC>(q, qsg, kb, ks, valid, dst, Lpad);
-          }
-        }
+        head_chunks<GC>(G, [&](int64_t g, auto n) LANE_C8_VNNI {
+          const int64_t rg = r * G + g;
+          block_scores_i8<DV, decltype(n)::value>(&qv[rg * QV], qs + rg, kb, ks, valid, sc + rg * Lpad + j * BS, Lpad);
+        });
       }
     }
     // 2. per row and head: 1 / the probabilities' sum, and each block's probabilities times V's
@@ -796,34 +787,24 @@ LANE_C8_VNNI void c8_items(const T* qp, const int8_t* kc, const int8_t* vc, cons
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t nr = std::min<int64_t>(BS, lens[b0 + r] - j * BS);
         if (nr <= 0) continue;
-        for (int64_t g = 0; g < G; g += GC) {
+        head_chunks<GC>(G, [&](int64_t g, auto n) LANE_C8_VNNI {
           const int64_t rg = r * G + g;
-          __m512* a = &acc[rg * DV];
-          const uint32_t* pr = &pp[rg * Lpad / 2 + j * BS / 2];
-          const float* bs = bsc + rg * NBpad + j;
-          switch (std::min(GC, G - g)) {
-            case 1: block_pv_i8<DV, 1>(a, pr, Lpad / 2, bs, NBpad, vb, nr); break;
-            case 2: block_pv_i8<DV, 2>(a, pr, Lpad / 2, bs, NBpad, vb, nr); break;
-            case 3: block_pv_i8<DV, 3>(a, pr, Lpad / 2, bs, NBpad, vb, nr); break;
-            default: block_pv_i8<DV, GC>(a, pr, Lpad / 2, bs, NBpad, vb, nr);
-          }
-        }
+          block_pv_i8<DV, decltype(n)::value>(&acc[rg * DV], &pp[rg * Lpad / 2 + j * BS / 2], Lpad / 2,
+                                              bsc + rg * NBpad + j, NBpad, vb, nr);
+        });
       }
     }
-    // block_pv's lane order back to dims (as decode_dpbf16), times 1 / the sum
-    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t g = 0; g < G; ++g) {
         const int64_t rg = r * G + g;
-        const __m512 il = _mm512_set1_ps(inv[rg]);
         T* o = out + ((b0 + r) * H + h * G + g) * D;
         alignas(64) float tmp[32];
         for (int i = 0; i < QV; ++i) {
-          const __m512 lo = acc[rg * DV + 2 * i], hi = acc[rg * DV + 2 * i + 1];
-          _mm512_store_ps(tmp, _mm512_mul_ps(_mm512_permutex2var_ps(lo, first, hi), il));
-          _mm512_store_ps(tmp + 16, _mm512_mul_ps(_mm512_permutex2var_ps(lo, second, hi), il));
-          for (int e = 0; e < 32; ++e) o[32 * i + e] = from_f<T>(tmp[e]);
+          __m512 d0, d1;
+          dims_in_order(acc[rg * DV + 2 * i], acc[rg * DV + 2 * i + 1], _mm512_set1_ps(inv[rg]), d0, d1);
+          _mm512_store_ps(tmp, d0);
+          _mm512_store_ps(tmp + 16, d1);
+          for (int e = 0; e < 32; ++e) o[32 * i + e] = from_f<T>(tmp[e]);  // (round_bf16 needs AVX512-BF16)
         }
       }
   }
