@@ -10,9 +10,10 @@ without a paged kernel runs:
 - dpbf16: the AVX512-BF16 vector kernel (`paged_attention.cpp`, where the CPU has AVX512-BF16:
   what runs there without AMX, or with `LANE_CPU_AMX=0`),
 - avx512: the fp32 vector kernel (`paged_attention.cpp`: every other CPU),
-- int8: the same rows over C8's int8 cache (`--kv-cache-dtype int8`: half the bytes, and a float
-  scale per token and KV head), on whichever kernel this CPU takes for it (the AMX tiles; the
-  integer VNNI kernel; else the float one), against the fastest bf16 kernel,
+- int8, fp8_e4m3: the same rows over C8's 8-bit caches (`--kv-cache-dtype`: half the bytes, and a
+  float scale per token and KV head), on whichever kernel this CPU takes for each (the AMX tiles;
+  int8: the integer VNNI kernel, fp8: the AVX512-BF16 one; else the float one), against the
+  fastest bf16 kernel,
 - torch: gather + `F.scaled_dot_product_attention`, one request at a time.
 
     python benchmarks/decode_attention.py [--rows 64] [--context 450] [--pool-gib 4]
@@ -114,30 +115,33 @@ def main() -> None:
     finally:
         cpu_kernels.attention_amx(True)
         cpu_kernels.attention_dpbf16(True)
-    # C8: the same blocks of an int8 pool (each (token, head) row quantized with its own scale)
-    c8 = []
-    for kc, vc in caches:
-        kv8 = []
-        for t in (kc, vc):
-            q8, s8 = torch.empty(t.shape, dtype=torch.int8), torch.empty(t.shape[:3])
-            for s in range(0, nb, 4096):  # in slices, as the pool was written
-                amax = t[s:s + 4096].float().abs().amax(-1)
-                s8[s:s + 4096] = amax / 127
-                q8[s:s + 4096] = (t[s:s + 4096].float() / (amax / 127).clamp_min(1e-30)[..., None]).round().to(torch.int8)
-            kv8 += [q8, s8]
-        c8.append(kv8)
+    # C8: the same blocks as 8-bit pools (each (token, head) row quantized with its own scale)
+    for kind, top in (("int8", 127.0), ("fp8_e4m3", 448.0)):
+        c8 = []
+        for kc, vc in caches:
+            kv8 = []
+            for t in (kc, vc):
+                q8, s8 = torch.empty(t.shape, dtype=torch.int8 if kind == "int8" else torch.uint8), torch.empty(t.shape[:3])
+                for s in range(0, nb, 4096):  # in slices, as the pool was written
+                    x = t[s:s + 4096].float()
+                    s8[s:s + 4096] = x.abs().amax(-1) / top
+                    x = x / s8[s:s + 4096].clamp_min(1e-30)[..., None]
+                    q8[s:s + 4096] = x.round().to(torch.int8) if kind == "int8" else x.to(torch.float8_e4m3fn).view(torch.uint8)
+                kv8 += [q8, s8]
+            c8.append(kv8)
 
-    def c8_kernel():
-        for q, (kc, ks, vc, vs) in zip(qs, c8):
-            cpu_kernels.decode_attention_8bit(q, kc, vc, ks, vs, tables, lens, scale, False)
+        def c8_kernel():
+            for q, (kc, ks, vc, vs) in zip(qs, c8):
+                cpu_kernels.decode_attention_8bit(q, kc, vc, ks, vs, tables, lens, scale, kind != "int8")
 
-    c8_gbytes = LAYERS * B * L * KVH * (D + 4) * 2 / 1e9  # the bytes and scales read
-    ms = best_ms(c8_kernel)
-    bf16_best = min(res[f"{k}_ms"] for k in kinds)
-    res.update(int8_ms=round(ms, 1), int8_gbs=round(c8_gbytes / ms * 1e3, 1),
-               int8_of_dram=round(c8_gbytes / ms * 1e3 / dram, 2), int8_vs_bf16=round(bf16_best / ms, 2))
-    print(f"   int8: {ms:7.1f} ms for {LAYERS} layers, {c8_gbytes / ms * 1e3:5.1f} GB/s "
-          f"({res['int8_of_dram']:.0%} of DRAM), {bf16_best / ms:.2f}x the fastest bf16 kernel", flush=True)
+        c8_gbytes = LAYERS * B * L * KVH * (D + 4) * 2 / 1e9  # the bytes and scales read
+        ms = best_ms(c8_kernel)
+        bf16_best = min(res[f"{k}_ms"] for k in kinds)
+        res.update({f"{kind}_ms": round(ms, 1), f"{kind}_gbs": round(c8_gbytes / ms * 1e3, 1),
+                    f"{kind}_of_dram": round(c8_gbytes / ms * 1e3 / dram, 2), f"{kind}_vs_bf16": round(bf16_best / ms, 2)})
+        print(f"{kind:>7}: {ms:7.1f} ms for {LAYERS} layers, {c8_gbytes / ms * 1e3:5.1f} GB/s "
+              f"({res[f'{kind}_of_dram']:.0%} of DRAM), {bf16_best / ms:.2f}x the fastest bf16 kernel", flush=True)
+        c8 = None
     ms = best_ms(torch_way, rounds=2)
     res["torch_ms"] = round(ms, 1)
     print(f"  torch: {ms:7.1f} ms for {LAYERS} layers (gather + SDPA); kernels: "

@@ -395,15 +395,41 @@ inline bool attention_dpbf16_usable() {
   return use_avx512bf16() && attention_dpbf16_enabled.load(std::memory_order_relaxed);
 }
 
+// 32 fp8 e4m3 bytes as their bf16 values, exactly (3 mantissa bits): sign, then exponent + 120 and
+// mantissa from bit 4; exponent 0 (m * 2^-9) from a table. A NaN byte (0x7f, 0xff) reads as 480.
+inline __m512i e4m3_bf16(const uint8_t* p) {
+  alignas(64) static const uint16_t subnormal[32] = {0, 0x3b00, 0x3b80, 0x3bc0, 0x3c00, 0x3c20, 0x3c40, 0x3c60};
+  const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __m512i mag = _mm512_and_si512(b, _mm512_set1_epi16(0x7f));
+  __m512i r = _mm512_add_epi16(_mm512_slli_epi16(mag, 4), _mm512_set1_epi16(120 << 7));
+  r = _mm512_mask_permutexvar_epi16(r, _mm512_testn_epi16_mask(b, _mm512_set1_epi16(0x78)), mag,
+                                    _mm512_load_si512(subnormal));
+  return _mm512_or_si512(r, _mm512_slli_epi16(_mm512_and_si512(b, _mm512_set1_epi16(0x80)), 8));
+}
+
+// The caches the AVX512-BF16 kernel reads: a row's 32 values at p as bf16 pairs, and whether each
+// (key, KV head) row has a scale (C8's fp8: K's multiplies the key's scores, V's its probabilities)
+struct Bf16Rows {
+  using Elem = uint16_t;
+  static constexpr bool kScaled = false;
+  static inline __m512i row32(const uint16_t* p) { return _mm512_loadu_si512(p); }
+};
+struct E4m3Rows {
+  using Elem = uint8_t;
+  static constexpr bool kScaled = true;
+  static inline __m512i row32(const uint8_t* p) { return e4m3_bf16(p); }
+};
+
 // Keys 4 * qt .. 4 * qt + 3 of a K block against GC heads' queries, each K row loaded once for
 // all of them; per head, the first two levels of transpose_sum16's tree over the four dot products
-template <int DV, int GC>
-__attribute__((always_inline)) inline void quarter_scores(const __m512i* qv, const uint16_t* kb, int qt, __m512* b) {
+template <int DV, int GC, class C>
+__attribute__((always_inline)) inline void quarter_scores(const __m512i* qv, const typename C::Elem* kb, int qt,
+                                                          __m512* b) {
   constexpr int64_t D = DV * 16, QV = DV / 2;
   __m512 v[GC][4];
   for (int t = 0; t < 4; ++t) {
     __m512i k[QV];
-    for (int i = 0; i < QV; ++i) k[i] = _mm512_loadu_si512(kb + (4 * qt + t) * D + 32 * i);
+    for (int i = 0; i < QV; ++i) k[i] = C::row32(kb + (4 * qt + t) * D + 32 * i);
     for (int g = 0; g < GC; ++g) {
       __m512 a = _mm512_setzero_ps();
       for (int i = 0; i < QV; ++i) a = dpbf16(a, qv[g * QV + i], k[i]);
@@ -424,25 +450,28 @@ inline __m512 lane_pairs(__m512 x, __m512 y) {
 
 // A block's 16 scores for GC heads of one row (head_dim 16 * DV), as transpose_sum16 sums them
 // (the same additions in the same order), a quarter of the block at a time so that each K row is
-// loaded once for all GC heads; keys past valid are -inf
-template <int DV, int GC>
-inline void block_scores(const __m512i* qv, const uint16_t* kb, __mmask16 valid, float* sc, int64_t stride) {
+// loaded once for all GC heads; keys past valid are -inf. ks: the keys' scales (C::kScaled)
+template <int DV, int GC, class C>
+inline void block_scores(const __m512i* qv, const typename C::Elem* kb, __m512 ks, __mmask16 valid, float* sc,
+                         int64_t stride) {
   __m512 b0[GC], b1[GC], half[GC];
-  quarter_scores<DV, GC>(qv, kb, 0, b0);
-  quarter_scores<DV, GC>(qv, kb, 1, b1);
+  quarter_scores<DV, GC, C>(qv, kb, 0, b0);
+  quarter_scores<DV, GC, C>(qv, kb, 1, b1);
   for (int g = 0; g < GC; ++g) half[g] = lane_pairs(b0[g], b1[g]);
-  quarter_scores<DV, GC>(qv, kb, 2, b0);
-  quarter_scores<DV, GC>(qv, kb, 3, b1);
-  for (int g = 0; g < GC; ++g)
-    _mm512_storeu_ps(sc + g * stride, _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid,
-                                                         lane_pairs(half[g], lane_pairs(b0[g], b1[g]))));
+  quarter_scores<DV, GC, C>(qv, kb, 2, b0);
+  quarter_scores<DV, GC, C>(qv, kb, 3, b1);
+  for (int g = 0; g < GC; ++g) {
+    __m512 s = lane_pairs(half[g], lane_pairs(b0[g], b1[g]));
+    if constexpr (C::kScaled) s = _mm512_mul_ps(s, ks);
+    _mm512_storeu_ps(sc + g * stride, _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, s));
+  }
 }
 
 // The first nr keys of a V block times their probabilities (pp: GC heads' bf16 pairs, stride
 // apart), into GC heads' sums: a pair of keys' rows interleaved once for all GC heads; a key at or
 // past nr is zeros (its probability is 0, and 0 times what the cache holds there may be a NaN)
-template <int DV, int GC>
-inline void block_pv(__m512* acc, const uint32_t* pp, int64_t stride, const uint16_t* vb, int64_t nr) {
+template <int DV, int GC, class C>
+inline void block_pv(__m512* acc, const uint32_t* pp, int64_t stride, const typename C::Elem* vb, int64_t nr) {
   constexpr int64_t D = DV * 16, QV = DV / 2;
   __m512 a[GC][DV];
   for (int g = 0; g < GC; ++g)
@@ -450,8 +479,8 @@ inline void block_pv(__m512* acc, const uint32_t* pp, int64_t stride, const uint
   for (int64_t u = 0; u < (nr + 1) / 2; ++u) {
     __m512i w[DV];
     for (int i = 0; i < QV; ++i) {
-      const __m512i x = _mm512_loadu_si512(vb + 2 * u * D + 32 * i);
-      const __m512i y = 2 * u + 1 < nr ? _mm512_loadu_si512(vb + (2 * u + 1) * D + 32 * i) : _mm512_setzero_si512();
+      const __m512i x = C::row32(vb + 2 * u * D + 32 * i);
+      const __m512i y = 2 * u + 1 < nr ? C::row32(vb + (2 * u + 1) * D + 32 * i) : _mm512_setzero_si512();
       w[2 * i] = _mm512_unpacklo_epi16(x, y);
       w[2 * i + 1] = _mm512_unpackhi_epi16(x, y);
     }
@@ -502,10 +531,14 @@ inline void dims_in_order(__m512 lo, __m512 hi, __m512 il, __m512& first16, __m5
 // key and head, against 256 of K and V) stay in L2. Each K or V row is loaded once for up to GC
 // heads of its group (block_scores, block_pv). On Zen 4, with the blocks in L2, a head's block of
 // 16 keys took ~360 cycles in the online form and takes ~140.
-template <int DV>
-void decode_dpbf16(const uint16_t* qp, const uint16_t* kc, const uint16_t* vc, const int64_t* tables,
-                   const int32_t* lens, bf16* out, int64_t B, int64_t H, int64_t KVH, int64_t MB, float scale,
-                   int threads) {
+//
+// C8's fp8 cache (E4m3Rows) takes the same passes: each byte widens to its bf16 value exactly as
+// it is loaded, the key's K scale multiplies its scores and its V scale its probability before
+// that is rounded to bf16 (ksc, vsc: [blocks, KVH, 16] floats; null for a bf16 cache).
+template <int DV, class C>
+void decode_dpbf16(const uint16_t* qp, const typename C::Elem* kc, const typename C::Elem* vc, const float* ksc,
+                   const float* vsc, const int64_t* tables, const int32_t* lens, bf16* out, int64_t B, int64_t H,
+                   int64_t KVH, int64_t MB, float scale, int threads) {
   constexpr int64_t D = DV * 16, BS = 16, QV = DV / 2;  // QV: zmm of a bf16 row (32 dims each)
   constexpr int64_t GC = DV == 4 ? 4 : 2;  // heads a K or V row is loaded for (their sums fit the registers)
   // K blocks asked for ahead in pass 1 (into L2), each V block as its K is scored: a block's
@@ -540,6 +573,7 @@ void decode_dpbf16(const uint16_t* qp, const uint16_t* kc, const uint16_t* vc, c
       }
       const int64_t* table = it.table;
       const int64_t nblocks = (it.len + BS - 1) / BS, head = h * BS * D;
+      auto scales = [&](const float* s, int64_t j) { return s + (table[j] * KVH + h) * BS; };
       // the next item's first kAhead K blocks, asked for while this one's V pass runs
       const Item next = k + 1 < end ? item_at(k + 1, groups, KVH, R, B, lens, tables, MB) : Item{0, 0, 0, 0, table};
       const int64_t next_blocks = std::min((next.len + BS - 1) / BS, kAhead), next_head = next.h * BS * D;
@@ -551,13 +585,20 @@ void decode_dpbf16(const uint16_t* qp, const uint16_t* kc, const uint16_t* vc, c
       for (int64_t j = 0; j < nblocks; ++j) {
         if (j + kAhead < nblocks) prefetch_block(kc + table[j + kAhead] * blk_stride + head, BS * D);
         prefetch_block(vc + table[j] * blk_stride + head, BS * D);  // for pass 3
-        const uint16_t* kb = kc + table[j] * blk_stride + head;
+        __m512 ks = _mm512_set1_ps(1.f);
+        if constexpr (C::kScaled) {
+          if (j + kAhead < nblocks) prefetch_block(scales(ksc, j + kAhead), BS);
+          prefetch_block(scales(vsc, j), BS);
+          ks = _mm512_loadu_ps(scales(ksc, j));
+        }
+        const auto* kb = kc + table[j] * blk_stride + head;
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t nr = std::min<int64_t>(BS, lens[b0 + r] - j * BS);
           if (nr <= 0) continue;
           const __mmask16 valid = static_cast<__mmask16>((1u << nr) - 1u);
           head_chunks<GC>(G, [&](int64_t g, auto n) {
-            block_scores<DV, decltype(n)::value>(&qv[(r * G + g) * QV], kb, valid, sc + (r * G + g) * Lpad + j * BS, Lpad);
+            block_scores<DV, decltype(n)::value, C>(&qv[(r * G + g) * QV], kb, ks, valid,
+                                                    sc + (r * G + g) * Lpad + j * BS, Lpad);
           });
         }
       }
@@ -566,21 +607,29 @@ void decode_dpbf16(const uint16_t* qp, const uint16_t* kc, const uint16_t* vc, c
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t g = 0; g < G; ++g) {
           uint32_t* pr = &pp[(r * G + g) * Lpad / 2];
-          inv[r * G + g] = softmax_blocks(sc + (r * G + g) * Lpad, lens[b0 + r], [&](int64_t j, __m512 e) {
-            const __m256i pb = round_bf16(e);
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j * BS / 2), pb);
-            return bf16_to_f(pb);
+          const int64_t len = lens[b0 + r];
+          inv[r * G + g] = softmax_blocks(sc + (r * G + g) * Lpad, len, [&](int64_t j, __m512 e) {
+            if constexpr (C::kScaled) {  // (past the row's length a scale may be anything, inf too)
+              const __mmask16 valid = static_cast<__mmask16>((1u << std::min<int64_t>(BS, len - j * BS)) - 1u);
+              _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j * BS / 2),
+                                  round_bf16(_mm512_maskz_mul_ps(valid, e, _mm512_loadu_ps(scales(vsc, j)))));
+              return e;
+            } else {
+              const __m256i pb = round_bf16(e);
+              _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + j * BS / 2), pb);
+              return bf16_to_f(pb);
+            }
           });
         }
       // 3. V, each row's keys in pairs (block_pv)
       for (int64_t j = 0; j < nblocks; ++j) {
         if (j < next_blocks) prefetch_block(kc + next_table[j] * blk_stride + next_head, BS * D);  // the next item's pass 1
-        const uint16_t* vb = vc + table[j] * blk_stride + head;
+        const auto* vb = vc + table[j] * blk_stride + head;
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t nr = std::min<int64_t>(BS, lens[b0 + r] - j * BS);
           if (nr <= 0) continue;
           head_chunks<GC>(G, [&](int64_t g, auto n) {
-            block_pv<DV, decltype(n)::value>(&acc[(r * G + g) * DV], &pp[(r * G + g) * Lpad / 2 + j * BS / 2], Lpad / 2,
+            block_pv<DV, decltype(n)::value, C>(&acc[(r * G + g) * DV], &pp[(r * G + g) * Lpad / 2 + j * BS / 2], Lpad / 2,
                                              vb, nr);
           });
         }
@@ -835,8 +884,8 @@ bool try_avx512(const T* q, const T* kc, const T* vc, const int64_t* tables, con
         const auto* q16 = reinterpret_cast<const uint16_t*>(q);
         const auto* k16 = reinterpret_cast<const uint16_t*>(kc);
         const auto* v16 = reinterpret_cast<const uint16_t*>(vc);
-        if (D == 64) decode_dpbf16<4>(q16, k16, v16, tables, lens, out, B, H, KVH, MB, scale, threads);
-        else decode_dpbf16<8>(q16, k16, v16, tables, lens, out, B, H, KVH, MB, scale, threads);
+        if (D == 64) decode_dpbf16<4, Bf16Rows>(q16, k16, v16, nullptr, nullptr, tables, lens, out, B, H, KVH, MB, scale, threads);
+        else decode_dpbf16<8, Bf16Rows>(q16, k16, v16, nullptr, nullptr, tables, lens, out, B, H, KVH, MB, scale, threads);
         return true;
       }
     }
@@ -901,6 +950,15 @@ void paged_decode_q8(const T* qp, const uint8_t* kc, const uint8_t* vc, const fl
   const ByteRows<FP8> rows{kc, vc, ks, vs, lut};
   auto launch = [&](const T* q_, const int64_t* tables_, const int32_t* lens_, T* out_, int64_t nb, int64_t nh) {
 #if defined(__AVX512F__)
+    // fp8 under bf16 queries: the AVX512-BF16 kernel, each byte widened to bf16 as it is read
+    if constexpr (FP8 && std::is_same<T, bf16>::value) {
+      if (attention_dpbf16_usable() && BS == 16 && (D == 64 || D == 128)) {
+        const auto* q16 = reinterpret_cast<const uint16_t*>(q_);
+        if (D == 64) decode_dpbf16<4, E4m3Rows>(q16, kc, vc, ks, vs, tables_, lens_, out_, nb, nh, KVH, MB, sc, threads);
+        else decode_dpbf16<8, E4m3Rows>(q16, kc, vc, ks, vs, tables_, lens_, out_, nb, nh, KVH, MB, sc, threads);
+        return;
+      }
+    }
     // int8 under 16-bit queries: the VNNI kernel (float32 rows keep the float kernel's sums)
     if constexpr (!FP8 && !std::is_same<T, float>::value) {
       if (use_vnni() && BS == 16 && (D == 64 || D == 128)) {
