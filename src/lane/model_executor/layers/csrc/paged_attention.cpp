@@ -407,29 +407,32 @@ inline __m512i e4m3_bf16(const uint8_t* p) {
   return _mm512_or_si512(r, _mm512_slli_epi16(_mm512_and_si512(b, _mm512_set1_epi16(0x80)), 8));
 }
 
-// The caches the AVX512-BF16 kernel reads: a row's 32 values at p as bf16 pairs, and whether each
-// (key, KV head) row has a scale (C8's fp8: K's multiplies the key's scores, V's its probabilities)
+// The caches the AVX512-BF16 kernel reads: a block's n values as bf16 (read in place, or widened
+// once into buf for all the rows and heads that read it), and whether each (key, KV head) row has
+// a scale (C8's fp8: K's multiplies the key's scores, V's its probabilities)
 struct Bf16Rows {
   using Elem = uint16_t;
   static constexpr bool kScaled = false;
-  static inline __m512i row32(const uint16_t* p) { return _mm512_loadu_si512(p); }
+  static inline const uint16_t* block(const uint16_t* p, int64_t, uint16_t*) { return p; }
 };
 struct E4m3Rows {
   using Elem = uint8_t;
   static constexpr bool kScaled = true;
-  static inline __m512i row32(const uint8_t* p) { return e4m3_bf16(p); }
+  static inline const uint16_t* block(const uint8_t* p, int64_t n, uint16_t* buf) {
+    for (int64_t i = 0; i < n; i += 32) _mm512_store_si512(buf + i, e4m3_bf16(p + i));
+    return buf;
+  }
 };
 
 // Keys 4 * qt .. 4 * qt + 3 of a K block against GC heads' queries, each K row loaded once for
 // all of them; per head, the first two levels of transpose_sum16's tree over the four dot products
-template <int DV, int GC, class C>
-__attribute__((always_inline)) inline void quarter_scores(const __m512i* qv, const typename C::Elem* kb, int qt,
-                                                          __m512* b) {
+template <int DV, int GC>
+__attribute__((always_inline)) inline void quarter_scores(const __m512i* qv, const uint16_t* kb, int qt, __m512* b) {
   constexpr int64_t D = DV * 16, QV = DV / 2;
   __m512 v[GC][4];
   for (int t = 0; t < 4; ++t) {
     __m512i k[QV];
-    for (int i = 0; i < QV; ++i) k[i] = C::row32(kb + (4 * qt + t) * D + 32 * i);
+    for (int i = 0; i < QV; ++i) k[i] = _mm512_loadu_si512(kb + (4 * qt + t) * D + 32 * i);
     for (int g = 0; g < GC; ++g) {
       __m512 a = _mm512_setzero_ps();
       for (int i = 0; i < QV; ++i) a = dpbf16(a, qv[g * QV + i], k[i]);
@@ -450,19 +453,19 @@ inline __m512 lane_pairs(__m512 x, __m512 y) {
 
 // A block's 16 scores for GC heads of one row (head_dim 16 * DV), as transpose_sum16 sums them
 // (the same additions in the same order), a quarter of the block at a time so that each K row is
-// loaded once for all GC heads; keys past valid are -inf. ks: the keys' scales (C::kScaled)
-template <int DV, int GC, class C>
-inline void block_scores(const __m512i* qv, const typename C::Elem* kb, __m512 ks, __mmask16 valid, float* sc,
+// loaded once for all GC heads; keys past valid are -inf. ks: the keys' scales, or null
+template <int DV, int GC>
+inline void block_scores(const __m512i* qv, const uint16_t* kb, const float* ks, __mmask16 valid, float* sc,
                          int64_t stride) {
   __m512 b0[GC], b1[GC], half[GC];
-  quarter_scores<DV, GC, C>(qv, kb, 0, b0);
-  quarter_scores<DV, GC, C>(qv, kb, 1, b1);
+  quarter_scores<DV, GC>(qv, kb, 0, b0);
+  quarter_scores<DV, GC>(qv, kb, 1, b1);
   for (int g = 0; g < GC; ++g) half[g] = lane_pairs(b0[g], b1[g]);
-  quarter_scores<DV, GC, C>(qv, kb, 2, b0);
-  quarter_scores<DV, GC, C>(qv, kb, 3, b1);
+  quarter_scores<DV, GC>(qv, kb, 2, b0);
+  quarter_scores<DV, GC>(qv, kb, 3, b1);
   for (int g = 0; g < GC; ++g) {
     __m512 s = lane_pairs(half[g], lane_pairs(b0[g], b1[g]));
-    if constexpr (C::kScaled) s = _mm512_mul_ps(s, ks);
+    if (ks) s = _mm512_mul_ps(s, _mm512_loadu_ps(ks));
     _mm512_storeu_ps(sc + g * stride, _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, s));
   }
 }
@@ -470,8 +473,8 @@ inline void block_scores(const __m512i* qv, const typename C::Elem* kb, __m512 k
 // The first nr keys of a V block times their probabilities (pp: GC heads' bf16 pairs, stride
 // apart), into GC heads' sums: a pair of keys' rows interleaved once for all GC heads; a key at or
 // past nr is zeros (its probability is 0, and 0 times what the cache holds there may be a NaN)
-template <int DV, int GC, class C>
-inline void block_pv(__m512* acc, const uint32_t* pp, int64_t stride, const typename C::Elem* vb, int64_t nr) {
+template <int DV, int GC>
+inline void block_pv(__m512* acc, const uint32_t* pp, int64_t stride, const uint16_t* vb, int64_t nr) {
   constexpr int64_t D = DV * 16, QV = DV / 2;
   __m512 a[GC][DV];
   for (int g = 0; g < GC; ++g)
@@ -479,8 +482,8 @@ inline void block_pv(__m512* acc, const uint32_t* pp, int64_t stride, const type
   for (int64_t u = 0; u < (nr + 1) / 2; ++u) {
     __m512i w[DV];
     for (int i = 0; i < QV; ++i) {
-      const __m512i x = C::row32(vb + 2 * u * D + 32 * i);
-      const __m512i y = 2 * u + 1 < nr ? C::row32(vb + (2 * u + 1) * D + 32 * i) : _mm512_setzero_si512();
+      const __m512i x = _mm512_loadu_si512(vb + 2 * u * D + 32 * i);
+      const __m512i y = 2 * u + 1 < nr ? _mm512_loadu_si512(vb + (2 * u + 1) * D + 32 * i) : _mm512_setzero_si512();
       w[2 * i] = _mm512_unpacklo_epi16(x, y);
       w[2 * i + 1] = _mm512_unpackhi_epi16(x, y);
     }
@@ -532,9 +535,10 @@ inline void dims_in_order(__m512 lo, __m512 hi, __m512 il, __m512& first16, __m5
 // heads of its group (block_scores, block_pv). On Zen 4, with the blocks in L2, a head's block of
 // 16 keys took ~360 cycles in the online form and takes ~140.
 //
-// C8's fp8 cache (E4m3Rows) takes the same passes: each byte widens to its bf16 value exactly as
-// it is loaded, the key's K scale multiplies its scores and its V scale its probability before
-// that is rounded to bf16 (ksc, vsc: [blocks, KVH, 16] floats; null for a bf16 cache).
+// C8's fp8 cache (E4m3Rows) takes the same passes: each block's bytes widen to their bf16 values
+// exactly, once for every row and head that reads them, the key's K scale multiplies its scores
+// and its V scale its probability before that is rounded to bf16 (ksc, vsc: [blocks, KVH, 16]
+// floats; null for a bf16 cache).
 template <int DV, class C>
 void decode_dpbf16(const uint16_t* qp, const typename C::Elem* kc, const typename C::Elem* vc, const float* ksc,
                    const float* vsc, const int64_t* tables, const int32_t* lens, bf16* out, int64_t B, int64_t H,
@@ -555,6 +559,7 @@ void decode_dpbf16(const uint16_t* qp, const typename C::Elem* kc, const typenam
     float* inv = sc + R * G * Lpad;
     uint32_t* pp = scratch<uint32_t, 63>(R * G * Lpad / 2);  // bf16 probabilities, in pairs of keys
     const __m512 vscale = _mm512_set1_ps(scale);
+    alignas(64) uint16_t wide[BS * D];  // an 8-bit block widened (E4m3Rows)
     for (int64_t k = begin; k < end; ++k) {
       const Item it = item_at(k, groups, KVH, R, B, lens, tables, MB);
       const int64_t b0 = it.b0, rows = it.rows, h = it.h;
@@ -585,20 +590,20 @@ void decode_dpbf16(const uint16_t* qp, const typename C::Elem* kc, const typenam
       for (int64_t j = 0; j < nblocks; ++j) {
         if (j + kAhead < nblocks) prefetch_block(kc + table[j + kAhead] * blk_stride + head, BS * D);
         prefetch_block(vc + table[j] * blk_stride + head, BS * D);  // for pass 3
-        __m512 ks = _mm512_set1_ps(1.f);
+        const float* ks = nullptr;
         if constexpr (C::kScaled) {
           if (j + kAhead < nblocks) prefetch_block(scales(ksc, j + kAhead), BS);
           prefetch_block(scales(vsc, j), BS);
-          ks = _mm512_loadu_ps(scales(ksc, j));
+          ks = scales(ksc, j);
         }
-        const auto* kb = kc + table[j] * blk_stride + head;
+        const uint16_t* kb = C::block(kc + table[j] * blk_stride + head, BS * D, wide);
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t nr = std::min<int64_t>(BS, lens[b0 + r] - j * BS);
           if (nr <= 0) continue;
           const __mmask16 valid = static_cast<__mmask16>((1u << nr) - 1u);
           head_chunks<GC>(G, [&](int64_t g, auto n) {
-            block_scores<DV, decltype(n)::value, C>(&qv[(r * G + g) * QV], kb, ks, valid,
-                                                    sc + (r * G + g) * Lpad + j * BS, Lpad);
+            block_scores<DV, decltype(n)::value>(&qv[(r * G + g) * QV], kb, ks, valid, sc + (r * G + g) * Lpad + j * BS,
+                                                 Lpad);
           });
         }
       }
@@ -624,12 +629,12 @@ void decode_dpbf16(const uint16_t* qp, const typename C::Elem* kc, const typenam
       // 3. V, each row's keys in pairs (block_pv)
       for (int64_t j = 0; j < nblocks; ++j) {
         if (j < next_blocks) prefetch_block(kc + next_table[j] * blk_stride + next_head, BS * D);  // the next item's pass 1
-        const auto* vb = vc + table[j] * blk_stride + head;
+        const uint16_t* vb = C::block(vc + table[j] * blk_stride + head, std::min(BS, it.len - j * BS) * D, wide);
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t nr = std::min<int64_t>(BS, lens[b0 + r] - j * BS);
           if (nr <= 0) continue;
           head_chunks<GC>(G, [&](int64_t g, auto n) {
-            block_pv<DV, decltype(n)::value, C>(&acc[(r * G + g) * DV], &pp[(r * G + g) * Lpad / 2 + j * BS / 2], Lpad / 2,
+            block_pv<DV, decltype(n)::value>(&acc[(r * G + g) * DV], &pp[(r * G + g) * Lpad / 2 + j * BS / 2], Lpad / 2,
                                              vb, nr);
           });
         }
@@ -663,22 +668,25 @@ void decode_dpbf16(const uint16_t* qp, const typename C::Elem* kc, const typenam
 #define LANE_C8_VNNI __attribute__((target("avx512f,avx512vl,avx512vnni,avx512bw,avx512dq")))
 #define LANE_C8_INLINE LANE_C8_VNNI __attribute__((always_inline)) inline
 
-LANE_C8_INLINE __m512i widen_i8(const int8_t* p) {  // 32 int8 -> 32 int16
-  return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+// n int8 values (a multiple of 32) widened to int16, once for every row and head that reads them
+inline const int16_t* widen_i8(const int8_t* p, int64_t n, int16_t* buf) {
+  for (int64_t i = 0; i < n; i += 32)
+    _mm512_store_si512(buf + i, _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i))));
+  return buf;
 }
 
 LANE_C8_INLINE __m512i lane_pairs_i32(__m512i x, __m512i y) {  // lane_pairs on int32 lanes
   return _mm512_add_epi32(_mm512_shuffle_i32x4(x, y, 0x88), _mm512_shuffle_i32x4(x, y, 0xdd));
 }
 
-// quarter_scores over int8 K rows and int16 queries: the same tree, on int32 lanes
+// quarter_scores over K rows widened to int16 and int16 queries: the same tree, on int32 lanes
 template <int DV, int GC>
-LANE_C8_INLINE void quarter_dots_i8(const __m512i* qv, const int8_t* kb, int qt, __m512i* b) {
+LANE_C8_INLINE void quarter_dots_i8(const __m512i* qv, const int16_t* kb, int qt, __m512i* b) {
   constexpr int64_t D = DV * 16, QV = DV / 2;
   __m512i v[GC][4];
   for (int t = 0; t < 4; ++t) {
     __m512i k[QV];
-    for (int i = 0; i < QV; ++i) k[i] = widen_i8(kb + (4 * qt + t) * D + 32 * i);
+    for (int i = 0; i < QV; ++i) k[i] = _mm512_loadu_si512(kb + (4 * qt + t) * D + 32 * i);
     for (int g = 0; g < GC; ++g) {
       __m512i a = _mm512_setzero_si512();
       for (int i = 0; i < QV; ++i) a = _mm512_dpwssd_epi32(a, qv[g * QV + i], k[i]);
@@ -695,7 +703,7 @@ LANE_C8_INLINE void quarter_dots_i8(const __m512i* qv, const int8_t* kb, int qt,
 // block_scores for C8: GC heads' 16 scores of a block, their exact int32 dot products times the
 // head's query scale (qs) and each key's row scale (ks); keys past valid are -inf
 template <int DV, int GC>
-LANE_C8_INLINE void block_scores_i8(const __m512i* qv, const float* qs, const int8_t* kb, __m512 ks, __mmask16 valid,
+LANE_C8_INLINE void block_scores_i8(const __m512i* qv, const float* qs, const int16_t* kb, __m512 ks, __mmask16 valid,
                                     float* sc, int64_t stride) {
   __m512i b0[GC], b1[GC], half[GC];
   quarter_dots_i8<DV, GC>(qv, kb, 0, b0);
@@ -710,12 +718,12 @@ LANE_C8_INLINE void block_scores_i8(const __m512i* qv, const float* qs, const in
   }
 }
 
-// block_pv for C8: the first nr keys of an int8 V block times their int16 probabilities (pp:
+// block_pv for C8: the first nr keys of a V block (widened to int16) times their int16 probabilities (pp:
 // pairs of keys, GC heads stride apart), summed in int32 over the block, then into GC heads'
 // float sums times each head's block scale (bs, bs_stride apart)
 template <int DV, int GC>
 LANE_C8_INLINE void block_pv_i8(__m512* acc, const uint32_t* pp, int64_t stride, const float* bs, int64_t bs_stride,
-                                const int8_t* vb, int64_t nr) {
+                                const int16_t* vb, int64_t nr) {
   constexpr int64_t D = DV * 16, QV = DV / 2;
   __m512i a[GC][DV];
   for (int g = 0; g < GC; ++g)
@@ -723,8 +731,8 @@ LANE_C8_INLINE void block_pv_i8(__m512* acc, const uint32_t* pp, int64_t stride,
   for (int64_t u = 0; u < (nr + 1) / 2; ++u) {
     __m512i w[DV];
     for (int i = 0; i < QV; ++i) {
-      const __m512i x = widen_i8(vb + 2 * u * D + 32 * i);
-      const __m512i y = 2 * u + 1 < nr ? widen_i8(vb + (2 * u + 1) * D + 32 * i) : _mm512_setzero_si512();
+      const __m512i x = _mm512_loadu_si512(vb + 2 * u * D + 32 * i);
+      const __m512i y = 2 * u + 1 < nr ? _mm512_loadu_si512(vb + (2 * u + 1) * D + 32 * i) : _mm512_setzero_si512();
       w[2 * i] = _mm512_unpacklo_epi16(x, y);
       w[2 * i + 1] = _mm512_unpackhi_epi16(x, y);
     }
@@ -762,6 +770,7 @@ LANE_C8_VNNI void c8_items(const T* qp, const int8_t* kc, const int8_t* vc, cons
   float* bsc = qs + R * G;
   uint32_t* pp = scratch<uint32_t, 66>(R * G * Lpad / 2);  // int16 probabilities, in pairs of keys
   const __m512 vscale = _mm512_set1_ps(scale);
+  alignas(64) int16_t wide[BS * D];  // a K or V block widened
   for (int64_t k = begin; k < end; ++k) {
     const Item it = item_at(k, groups, KVH, R, B, lens, tables, MB);
     const int64_t b0 = it.b0, rows = it.rows, h = it.h;
@@ -799,7 +808,7 @@ LANE_C8_VNNI void c8_items(const T* qp, const int8_t* kc, const int8_t* vc, cons
       }
       prefetch_block(vc + table[j] * blk_stride + head, BS * D);  // for pass 3
       prefetch_block(vscale_of(j), BS);
-      const int8_t* kb = kc + table[j] * blk_stride + head;
+      const int16_t* kb = widen_i8(kc + table[j] * blk_stride + head, BS * D, wide);
       const __m512 ks = _mm512_loadu_ps(kscale(j));
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t nr = std::min<int64_t>(BS, lens[b0 + r] - j * BS);
@@ -832,7 +841,7 @@ LANE_C8_VNNI void c8_items(const T* qp, const int8_t* kc, const int8_t* vc, cons
     // 3. V
     for (int64_t j = 0; j < nblocks; ++j) {
       if (j < next_blocks) prefetch_block(kc + next_table[j] * blk_stride + next_head, BS * D);
-      const int8_t* vb = vc + table[j] * blk_stride + head;
+      const int16_t* vb = widen_i8(vc + table[j] * blk_stride + head, std::min(BS, it.len - j * BS) * D, wide);
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t nr = std::min<int64_t>(BS, lens[b0 + r] - j * BS);
         if (nr <= 0) continue;
