@@ -718,9 +718,9 @@ LANE_C8_INLINE void block_scores_i8(const __m512i* qv, const float* qs, const in
   }
 }
 
-// block_pv for C8: the first nr keys of a V block (widened to int16) times their int16 probabilities (pp:
-// pairs of keys, GC heads stride apart), summed in int32 over the block, then into GC heads'
-// float sums times each head's block scale (bs, bs_stride apart)
+// block_pv for C8: the first nr keys of a V block (widened to int16) times their int16
+// probabilities (pp: pairs of keys, GC heads stride apart), summed in int32 over the block, then
+// into GC heads' float sums times each head's block scale (bs, bs_stride apart)
 template <int DV, int GC>
 LANE_C8_INLINE void block_pv_i8(__m512* acc, const uint32_t* pp, int64_t stride, const float* bs, int64_t bs_stride,
                                 const int16_t* vb, int64_t nr) {
