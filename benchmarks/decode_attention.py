@@ -116,6 +116,8 @@ def main() -> None:
         cpu_kernels.attention_amx(True)
         cpu_kernels.attention_dpbf16(True)
     # C8: the same blocks as 8-bit pools (each (token, head) row quantized with its own scale)
+    c8_gbytes = LAYERS * B * L * KVH * (D + 4) * 2 / 1e9  # the bytes and scales read
+    bf16_best = min(res[f"{k}_ms"] for k in kinds)
     for kind, top in (("int8", 127.0), ("fp8_e4m3", 448.0)):
         c8 = []
         for kc, vc in caches:
@@ -134,9 +136,7 @@ def main() -> None:
             for q, (kc, ks, vc, vs) in zip(qs, c8):
                 cpu_kernels.decode_attention_8bit(q, kc, vc, ks, vs, tables, lens, scale, kind != "int8")
 
-        c8_gbytes = LAYERS * B * L * KVH * (D + 4) * 2 / 1e9  # the bytes and scales read
         ms = best_ms(c8_kernel)
-        bf16_best = min(res[f"{k}_ms"] for k in kinds)
         res.update({f"{kind}_ms": round(ms, 1), f"{kind}_gbs": round(c8_gbytes / ms * 1e3, 1),
                     f"{kind}_of_dram": round(c8_gbytes / ms * 1e3 / dram, 2), f"{kind}_vs_bf16": round(bf16_best / ms, 2)})
         print(f"{kind:>7}: {ms:7.1f} ms for {LAYERS} layers, {c8_gbytes / ms * 1e3:5.1f} GB/s "

@@ -75,8 +75,8 @@ def test_int8_cache_write_of_rows_with_nan_inf_or_no_scale():
 @pytest.mark.parametrize("fp8", [False, True], ids=["int8", "fp8_e4m3"])
 def test_8bit_cache_chunk_rows_equal_decode_rows(fp8):
     """bf16 rows over an 8-bit cache, on whichever kernel this CPU runs (the AMX tiles, each block
-    dequantized to bf16 as it is packed; int8 on AVX-512 VNNI, in integer dot products; else the
-    float kernel): within bf16 rounding of a float64 softmax over the dequantized cache, and a
+    dequantized to bf16 as it is packed; int8 on AVX-512 VNNI, in integer dot products; fp8 on
+    AVX512-BF16, each byte widened to bf16; else the float kernel): within bf16 rounding of a float64 softmax over the dequantized cache, and a
     prefill chunk's rows (one table, each at its own context length) bit for bit the rows a
     decode step gives, alone or in a batch big enough that a request's KV heads go through the
     context together. Head groups of 3, 16, 7 and 5: every split of a group into the kernels'

@@ -720,10 +720,10 @@ LANE_C8_INLINE void block_scores_i8(const __m512i* qv, const float* qs, const in
 
 // block_pv for C8: the first nr keys (at most 64) of V rows widened to int16 times their int16
 // probabilities (pp: pairs of keys, GC heads stride apart), summed in int32, then into GC heads'
-// float sums times each head's probability scale (bs, bs_stride apart)
+// float sums times each head's probability scale (bs[g])
 template <int DV, int GC>
-LANE_C8_INLINE void block_pv_i8(__m512* acc, const uint32_t* pp, int64_t stride, const float* bs, int64_t bs_stride,
-                                const int16_t* vb, int64_t nr) {
+LANE_C8_INLINE void block_pv_i8(__m512* acc, const uint32_t* pp, int64_t stride, const float* bs, const int16_t* vb,
+                                int64_t nr) {
   constexpr int64_t D = DV * 16, QV = DV / 2;
   __m512i a[GC][DV];
   for (int g = 0; g < GC; ++g)
@@ -742,7 +742,7 @@ LANE_C8_INLINE void block_pv_i8(__m512* acc, const uint32_t* pp, int64_t stride,
     }
   }
   for (int g = 0; g < GC; ++g) {
-    const __m512 s = _mm512_set1_ps(bs[g * bs_stride]);
+    const __m512 s = _mm512_set1_ps(bs[g]);
     for (int i = 0; i < DV; ++i) acc[g * DV + i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[g][i]), s, acc[g * DV + i]);
   }
 }
@@ -793,8 +793,7 @@ LANE_C8_VNNI void c8_items(const T* qp, const int8_t* kc, const int8_t* vc, cons
     }
     const int64_t* table = it.table;
     const int64_t nblocks = (it.len + BS - 1) / BS, head = h * BS * D;
-    auto kscale = [&](int64_t j) { return ksc + (table[j] * KVH + h) * BS; };
-    auto vscale_of = [&](int64_t j) { return vsc + (table[j] * KVH + h) * BS; };
+    auto scales = [&](const float* s, int64_t j) { return s + (table[j] * KVH + h) * BS; };  // block j's rows'
     const Item next = k + 1 < end ? item_at(k + 1, groups, KVH, R, B, lens, tables, MB) : Item{0, 0, 0, 0, table};
     const int64_t next_blocks = std::min((next.len + BS - 1) / BS, kAhead), next_head = next.h * BS * D;
     const int64_t* next_table = next.table;
@@ -804,12 +803,12 @@ LANE_C8_VNNI void c8_items(const T* qp, const int8_t* kc, const int8_t* vc, cons
     for (int64_t j = 0; j < nblocks; ++j) {
       if (j + kAhead < nblocks) {
         prefetch_block(kc + table[j + kAhead] * blk_stride + head, BS * D);
-        prefetch_block(kscale(j + kAhead), BS);
+        prefetch_block(scales(ksc, j + kAhead), BS);
       }
       prefetch_block(vc + table[j] * blk_stride + head, BS * D);  // for pass 3
-      prefetch_block(vscale_of(j), BS);
+      prefetch_block(scales(vsc, j), BS);
       const int16_t* kb = widen_i8(kc + table[j] * blk_stride + head, BS * D, wide);
-      const __m512 ks = _mm512_loadu_ps(kscale(j));
+      const __m512 ks = _mm512_loadu_ps(scales(ksc, j));
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t nr = std::min<int64_t>(BS, lens[b0 + r] - j * BS);
         if (nr <= 0) continue;
@@ -832,7 +831,7 @@ LANE_C8_VNNI void c8_items(const T* qp, const int8_t* kc, const int8_t* vc, cons
         inv[rg] = softmax_blocks(e8, len, [&](int64_t j, __m512 e) {
           // (past the row's length the scales may be anything a finished request left, inf too)
           const __mmask16 valid = static_cast<__mmask16>((1u << std::min<int64_t>(BS, len - j * BS)) - 1u);
-          const __m512 ev = _mm512_maskz_mul_ps(valid, e, _mm512_loadu_ps(vscale_of(j)));
+          const __m512 ev = _mm512_maskz_mul_ps(valid, e, _mm512_loadu_ps(scales(vsc, j)));
           _mm512_storeu_ps(e8 + j * BS, ev);
           mx = _mm512_max_ps(mx, ev);  // ev >= 0: a scale is |x|max / 127
           return e;
@@ -855,8 +854,8 @@ LANE_C8_VNNI void c8_items(const T* qp, const int8_t* kc, const int8_t* vc, cons
         if (nr <= 0) continue;
         head_chunks<GC>(G, [&](int64_t g, auto n) LANE_C8_VNNI {
           const int64_t rg = r * G + g;
-          block_pv_i8<DV, decltype(n)::value>(&acc[rg * DV], &pp[rg * Lpad / 2 + j0 * BS / 2], Lpad / 2, bsc + rg, 1,
-                                              wide, nr);
+          block_pv_i8<DV, decltype(n)::value>(&acc[rg * DV], &pp[rg * Lpad / 2 + j0 * BS / 2], Lpad / 2, bsc + rg, wide,
+                                              nr);
         });
       }
     }
